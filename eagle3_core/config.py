@@ -1,0 +1,210 @@
+"""The one configuration tree of the pipeline: a section per phase, loaded from YAML, overridden with
+`--set section.field=value`. Every field has a type, a default and a description, so the Prefect UI
+renders the tree as a form and a typo fails before any weight is loaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration file or override that does not fit `PipelineConfig`; the message names the field."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(Section):
+    model: str = Field(
+        "smollm2-135m-instruct",
+        description="Embedded target name (smollm2-135m-instruct) or a local Hugging Face model folder.",
+    )
+    cache_dir: Path = Field(Path("~/.cache/eagle3-pipeline"), description="Where converted embedded targets are kept.")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="Weight dtype of the converted target folder."
+    )
+
+
+class ServerConfig(Section):
+    engine: Literal["vllm", "external"] = Field(
+        "vllm", description="Start a vLLM OpenAI server, or use an already running one at `url`."
+    )
+    url: str | None = Field(None, description="Base URL of an external OpenAI-compatible server.")
+    api_key_env: str | None = Field(
+        None, description="Name of the environment variable holding the server's API key (never the key)."
+    )
+    host: str = Field("127.0.0.1", description="Interface the started server binds; loopback by default.")
+    port: int = Field(0, ge=0, le=65535, description="Port of the started server; 0 picks a free one.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor-parallel size (GPUs per engine).")
+    max_model_len: int = Field(2048, ge=16, description="Longest prompt plus completion, in tokens.")
+    dtype: str = Field("bfloat16", description="vLLM --dtype.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Share of each GPU's memory vLLM may take (ignored on CPU)."
+    )
+    enforce_eager: bool = Field(True, description="Pass --enforce-eager (required for correct bf16 on CPU).")
+    reasoning_parser: str | None = Field(
+        None, description="vLLM --reasoning-parser, e.g. kimi_k2 or deepseek_r1; None splits <think> tags."
+    )
+    extra_args: list[str] = Field(default_factory=list, description="Further vLLM command-line arguments.")
+    env: dict[str, str] = Field(
+        default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+        description="Environment variables set for the server process.",
+    )
+    startup_timeout_s: float = Field(3600, gt=0, description="Longest wait for the server to become healthy.")
+    stall_timeout_s: float = Field(
+        600, gt=0, description="Fail when the server log shows no new output for this long while starting."
+    )
+    stop_grace_s: float = Field(30, ge=0, description="Seconds between SIGTERM and SIGKILL when stopping.")
+    gpu_release_timeout_s: float = Field(
+        120, ge=0, description="Longest wait for GPU memory to be released after the server stops."
+    )
+
+
+class SamplingConfig(Section):
+    prompt_files: list[str] = Field(
+        default_factory=lambda: ["demo"],
+        description="JSONL or Parquet prompt files (`messages` or `prompt`); `demo` is the bundled set.",
+    )
+    max_prompts: int | None = Field(None, ge=1, description="Use only the first N prompts (None: all).")
+    holdout_fraction: float = Field(
+        0.1, ge=0, lt=1, description="Share of prompts kept out of training for evaluation."
+    )
+    concurrency: int = Field(16, ge=1, description="Requests in flight at once.")
+    max_tokens: int = Field(384, ge=1, description="Longest completion, in tokens.")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    seed: int = Field(0, description="Per-request sampling seed base (prompt index is added).")
+    request_timeout_s: float = Field(600, gt=0, description="Timeout of one request.")
+    max_retries: int = Field(3, ge=0, description="Retries of a request on connection errors and 5xx.")
+    rows_per_part: int = Field(64, ge=1, description="Rows per Parquet part written atomically.")
+
+
+class ExtractionConfig(Section):
+    backend: Literal["vllm", "hf"] = Field(
+        "vllm", description="vLLM prefill-only extraction, or the transformers reference backend."
+    )
+    layer_ids: list[int] | None = Field(
+        None, description="Auxiliary layer ids in vLLM's convention; None: [2, N//2, N-3]."
+    )
+    dtype: Literal["bf16", "fp8"] = Field("bf16", description="Storage dtype; fp8 (e4m3) halves the disk.")
+    samples_per_shard: int = Field(64, ge=1, description="Samples written per safetensors shard.")
+    batch_size: int = Field(8, ge=1, description="Samples per forward pass (hf backend).")
+    concurrency: int = Field(8, ge=1, description="Prefill requests in flight at once (vllm backend).")
+    device: str = Field("auto", description="Torch device of the hf backend: auto, cpu, cuda, cuda:1.")
+    reuse_sampling_server: Literal["off", "on", "auto"] = Field(
+        "off", description="Extract on the sampling server instead of a second engine (one weight load)."
+    )
+
+
+class VocabConfig(Section):
+    draft_vocab_size: int = Field(32000, ge=1, description="Tokens in the draft's vocabulary; capped at the target's.")
+
+
+class TrainingConfig(Section):
+    ttt_steps: int = Field(
+        3, ge=1, description="Train-time-test steps: draft positions trained by feeding back own states."
+    )
+    step_weight: float = Field(0.8, gt=0, le=1, description="Loss weight decay per step: step i weighs w^i.")
+    epochs: float = Field(2.0, gt=0, description="Passes over the training samples.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (None: epochs).")
+    max_length: int = Field(2048, ge=16, description="Tokens per packed sequence.")
+    batch_size: int = Field(1, ge=1, description="Packed sequences per optimizer step and process.")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate of AdamW.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of steps with linear warmup.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a share of the peak.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
+    checkpoint_every: int = Field(200, ge=1, description="Save resumable training state every N steps.")
+    holdout_fraction: float = Field(
+        0.05, ge=0, lt=1, description="Share of hidden-state samples kept for validation metrics."
+    )
+    seed: int = Field(0, description="Seed of initialisation, data order and dropout.")
+    device: str = Field("auto", description="Torch device: auto, cpu, cuda.")
+    warm_start: str | None = Field(None, description="Draft checkpoint folder to start from (None: fresh).")
+
+
+class EvaluationConfig(Section):
+    num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens proposed per target step (k).")
+    prompt_sets: list[Literal["humaneval", "holdout"]] = Field(
+        default_factory=lambda: ["humaneval", "holdout"], description="Held-out prompt sets to measure on."
+    )
+    max_prompts: int | None = Field(32, ge=1, description="Prompts per set (None: all).")
+    max_new_tokens: int = Field(128, ge=1, description="Tokens generated per prompt.")
+    with_vllm: bool = Field(True, description="Also measure acceptance inside vLLM (where it is installed).")
+    concurrency: int = Field(4, ge=1, description="Concurrent requests of the vLLM throughput measurement.")
+    acceptance_floor: float = Field(0.2, ge=0, le=1, description="Fail when position-0 acceptance falls below this.")
+
+
+class PipelineConfig(Section):
+    run_dir: Path = Field(Path("runs/default"), description="Where every artifact and events.jsonl go.")
+    target: TargetConfig = Field(default_factory=TargetConfig, description="The target model.")
+    server: ServerConfig = Field(default_factory=ServerConfig, description="The inference engine.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Synthetic data generation.")
+    extraction: ExtractionConfig = Field(default_factory=ExtractionConfig, description="Hidden-state extraction.")
+    vocab: VocabConfig = Field(default_factory=VocabConfig, description="Draft vocabulary mapping.")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="Draft training.")
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig, description="Acceptance measurement.")
+
+
+def _error_message(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "<root>"
+        reason = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"  {path}: {reason} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_override(override: str) -> tuple[list[str], Any]:
+    """`training.lr=3e-4` -> (["training", "lr"], 3e-4); the value is read as YAML."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {override!r} is not of the form section.field=value")
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `data` with every `a.b=value` override set, creating sections as needed."""
+    merged = yaml.safe_load(yaml.safe_dump(data)) or {}
+    for override in overrides:
+        path, value = parse_override(override)
+        node = merged
+        for key in path[:-1]:
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {override!r}: {key} is not a section")
+            node = child
+        node[path[-1]] = value
+    return merged
+
+
+def load_config(path: Path | str | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """Load `path` (YAML; None: all defaults) and apply `--set` overrides; errors name field and file."""
+    source = str(path) if path else "<defaults>"
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file not found: {path}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    if overrides:
+        source += " with --set " + " ".join(overrides)
+        data = apply_overrides(data, overrides)
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_error_message(exc, source)) from None
+
+
+def dump_config(config: PipelineConfig) -> str:
+    """The resolved configuration as YAML, the form users copy into `configs/`."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

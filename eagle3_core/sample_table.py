@@ -1,0 +1,91 @@
+"""The on-disk form of a `SampleSet`: Parquet parts with one row per prompt, written atomically.
+
+Sampling writes the rows; extraction, vocab mapping and evaluation read them. `input_ids` is the whole
+conversation rendered with the target's chat template; `loss_mask` is 1 on assistant tokens (reasoning
+included), the only tokens a draft is trained to predict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle3_core.artifacts import SampleSet
+from eagle3_core.files import atomic_path
+
+STATUSES = ("ok", "error", "skipped")
+
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("status", pa.string()),
+        ("error", pa.string()),
+        ("messages", pa.string()),
+        ("reasoning", pa.string()),
+        ("response", pa.string()),
+        ("finish_reason", pa.string()),
+        ("prompt_tokens", pa.int32()),
+        ("completion_tokens", pa.int32()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+    ]
+)
+DEFAULTS: dict[str, Any] = {
+    "error": "",
+    "reasoning": "",
+    "response": "",
+    "finish_reason": "",
+    "prompt_tokens": 0,
+    "completion_tokens": 0,
+    "input_ids": [],
+    "loss_mask": [],
+}
+
+
+def normalise_row(row: dict[str, Any]) -> dict[str, Any]:
+    """Fill defaults and serialise `messages` (a list of chat messages) as JSON."""
+    if row.get("status") not in STATUSES:
+        raise ValueError(f"row {row.get('id')!r}: status must be one of {STATUSES}, got {row.get('status')!r}")
+    out = {**DEFAULTS, **row}
+    if not isinstance(out["messages"], str):
+        out["messages"] = json.dumps(out["messages"], ensure_ascii=False)
+    if len(out["input_ids"]) != len(out["loss_mask"]):
+        raise ValueError(f"row {out['id']!r}: input_ids and loss_mask differ in length")
+    return {name: out[name] for name in SCHEMA.names}
+
+
+def write_part(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Write one Parquet part atomically: readers see all of its rows or none."""
+    table = pa.Table.from_pylist([normalise_row(r) for r in rows], schema=SCHEMA)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+    return path
+
+
+def read_part(path: Path) -> list[dict[str, Any]]:
+    rows = pq.read_table(path, schema=SCHEMA).to_pylist()
+    for row in rows:
+        row["messages"] = json.loads(row["messages"])
+    return rows
+
+
+def iter_rows(sample_set: SampleSet, status: str | None = "ok") -> Iterator[dict[str, Any]]:
+    """Rows of every part in the manifest's order, filtered by status (None: all rows)."""
+    for record in sample_set.files:
+        if record.path.endswith(".parquet"):
+            for row in read_part(sample_set.path_of(record.path)):
+                if status is None or row["status"] == status:
+                    yield row
+
+
+def is_heldout(sample_id: str, fraction: float) -> bool:
+    """Deterministic held-out split by prompt id: the same prompt is held out in every run and phase,
+    so evaluation never measures on a prompt the draft was trained on."""
+    bucket = int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "big") / 2**64
+    return bucket < fraction

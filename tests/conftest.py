@@ -1,0 +1,33 @@
+"""Shared fixtures: the real embedded target (converted once per machine) and tiny random targets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eagle3_core.artifacts import TargetModel
+from eagle3_core.config import TargetConfig
+from eagle3_core.events import RunEvents
+from eagle3_core.models import build_tiny_target
+from eagle3_core.target import describe_folder, prepare_target
+
+
+@pytest.fixture(scope="session")
+def smollm2_target(tmp_path_factory: pytest.TempPathFactory) -> TargetModel:
+    """The real SmolLM2-135M-Instruct folder (converted from the packaged GGUF on first use)."""
+    return prepare_target(TargetConfig(), RunEvents(tmp_path_factory.mktemp("prepare")))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_target: TargetModel) -> TargetModel:
+    """A randomly initialised 8-layer Llama with SmolLM2's tokenizer."""
+    out = build_tiny_target(tmp_path_factory.mktemp("tiny") / "llama", smollm2_target.root_path, "llama")
+    return describe_folder(Path(out), "tiny-llama", "local")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory, smollm2_target: TargetModel) -> TargetModel:
+    """A randomly initialised DeepSeek-V3-shaped target (MLA, MoE): the seeds' Kimi-K2.5 at test size."""
+    out = build_tiny_target(tmp_path_factory.mktemp("tiny") / "dsv3", smollm2_target.root_path, "deepseek_v3")
+    return describe_folder(Path(out), "tiny-deepseek-v3", "local")

@@ -1,0 +1,69 @@
+import json
+import os
+
+import pytest
+
+from eagle3_core.artifacts import ArtifactInvalid, FileRecord, SampleSet, VocabMap
+
+
+def make_manifest(root, **fields) -> SampleSet:
+    (root / "parts").mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(2):
+        path = root / "parts" / f"part-{i}.bin"
+        path.write_bytes(os.urandom(64))
+        paths.append(path)
+    return SampleSet(root=str(root), files=[FileRecord.of(p, root) for p in paths], prompts=2, ok=2, **fields)
+
+
+def test_json_round_trip_keeps_digest(tmp_path):
+    manifest = make_manifest(tmp_path, errors={"p3": "HTTP 400"})
+    loaded = SampleSet.load(manifest.save())
+    assert loaded == manifest
+    assert loaded.digest == manifest.digest
+
+
+def test_digest_is_content_not_location(tmp_path):
+    a = make_manifest(tmp_path / "a")
+    moved = a.model_copy(update={"root": str(tmp_path / "elsewhere")})
+    assert moved.digest == a.digest
+    assert a.model_copy(update={"ok": 1}).digest != a.digest
+    assert VocabMap(root=str(tmp_path)).digest != SampleSet(root=str(tmp_path)).digest
+
+
+def test_validate_catches_missing_file(tmp_path):
+    manifest = make_manifest(tmp_path)
+    manifest.validate()
+    (tmp_path / "parts" / "part-1.bin").unlink()
+    with pytest.raises(ArtifactInvalid, match=r"part-1\.bin: missing"):
+        manifest.validate()
+
+
+def test_validate_catches_changed_file_of_same_size(tmp_path):
+    manifest = make_manifest(tmp_path)
+    (tmp_path / "parts" / "part-0.bin").write_bytes(os.urandom(64))
+    with pytest.raises(ArtifactInvalid, match="content changed"):
+        manifest.validate()
+
+
+def test_validate_catches_truncated_file(tmp_path):
+    manifest = make_manifest(tmp_path)
+    with open(tmp_path / "parts" / "part-0.bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(ArtifactInvalid, match="size 10"):
+        manifest.validate()
+
+
+def test_touched_but_identical_file_still_valid(tmp_path):
+    manifest = make_manifest(tmp_path)
+    os.utime(tmp_path / "parts" / "part-0.bin", None)
+    manifest.validate()
+
+
+def test_edited_manifest_is_refused(tmp_path):
+    path = make_manifest(tmp_path).save()
+    data = json.loads(path.read_text())
+    data["ok"] = 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(ArtifactInvalid, match="digest does not match"):
+        SampleSet.load(path)

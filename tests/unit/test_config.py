@@ -1,0 +1,65 @@
+from pathlib import Path
+
+import pytest
+
+from eagle3_core.config import ConfigError, PipelineConfig, Section, dump_config, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_every_field_has_a_description():
+    seen = []
+
+    def walk(model_cls, prefix=""):
+        for name, field in model_cls.model_fields.items():
+            assert field.description, f"{prefix}{name} has no description"
+            seen.append(prefix + name)
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, Section):
+                walk(annotation, f"{prefix}{name}.")
+
+    walk(PipelineConfig)
+    assert "training.lr" in seen and "extraction.layer_ids" in seen
+
+
+def test_yaml_then_override(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("training:\n  lr: 1.0e-3\n  ttt_steps: 5\n")
+    cfg = load_config(path, ["training.lr=3e-4", "sampling.prompt_files=[a.jsonl, b.jsonl]"])
+    assert cfg.training.lr == pytest.approx(3e-4)
+    assert cfg.training.ttt_steps == 5
+    assert cfg.sampling.prompt_files == ["a.jsonl", "b.jsonl"]
+
+
+def test_unknown_field_names_its_path_and_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("training:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "training.learning_rate" in str(err.value)
+    assert str(path) in str(err.value)
+    assert "unknown field" in str(err.value)
+
+
+def test_invalid_override_names_its_path():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["training.lr=-1"])
+    assert "training.lr" in str(err.value)
+    assert "--set training.lr=-1" in str(err.value)
+
+
+def test_malformed_override_and_yaml(tmp_path):
+    with pytest.raises(ConfigError, match=r"section\.field=value"):
+        load_config(None, ["training.lr"])
+    path = tmp_path / "broken.yaml"
+    path.write_text("training: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_shipped_configs_load_and_round_trip(name, tmp_path):
+    cfg = load_config(REPO / "configs" / name)
+    dumped = tmp_path / "dumped.yaml"
+    dumped.write_text(dump_config(cfg))
+    assert load_config(dumped) == cfg
