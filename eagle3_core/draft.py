@@ -1,0 +1,356 @@
+"""The EAGLE-3 draft: one Llama decoder layer over [norm(embed); norm(fc(aux))], with module names equal to
+the checkpoint names vLLM's `llama_eagle3` and SGLang's `LlamaForCausalLMEagle3` load (`fc`, `midlayer.*`,
+`norm`, `lm_head`, `d2t`, `t2d`), so a state dict maps onto the export one to one.
+
+Conventions (the same in training and decoding, and in vLLM):
+- `aux` is `[..., 3, Ht]`, the target's states at the ascending `aux_layer_ids`; `fc` reads their concatenation.
+- At index i the draft reads (state of position i, embedding of token i+1) at rotary position i and predicts
+  token i+2. A chain continues at position i+k with the draft's own pre-norm output as the next state.
+- Token ids given to and returned by the public API are TARGET ids; `lm_head` scores draft ids, mapped with
+  `draft_to_target` (target = draft + d2t[draft]).
+
+Imports only torch and safetensors (no pydantic), so the GPU benchmark runs it on a bare torch install.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(q [B,Hq,T,D], k [B,Hkv,T,D], v [B,Hkv,T,D]) -> attention output [B,Hq,T,D]."""
+
+
+@dataclass
+class DraftConfig:
+    """Shape of the draft. `vocab_size` is the target's vocabulary, `draft_vocab_size` the draft's."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: list[int]
+    target_hidden_size: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @property
+    def fc_input_size(self) -> int:
+        return (self.target_hidden_size or self.hidden_size) * len(self.aux_layer_ids)
+
+    @classmethod
+    def from_target_config(cls, target: dict, draft_vocab_size: int, aux_layer_ids: list[int]) -> DraftConfig:
+        """A draft as wide as the target (any architecture: Llama, DeepSeek-V3 MLA, ...). The draft layer
+        is plain Llama attention with the target's head count; rotary embedding is the default kind with
+        the target's theta (the draft's own config.json states it, so serving uses what training used)."""
+        text = target.get("text_config", target)
+        hidden = text["hidden_size"]
+        heads = text["num_attention_heads"]
+        rope = text.get("rope_parameters") or {}
+        head_dim = text.get("head_dim") if text.get("model_type") == "llama" else None
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=text["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=text.get("num_key_value_heads") or heads,
+            head_dim=head_dim or hidden // heads,
+            vocab_size=text["vocab_size"],
+            draft_vocab_size=min(draft_vocab_size, text["vocab_size"]),
+            aux_layer_ids=list(aux_layer_ids),
+            rms_norm_eps=text.get("rms_norm_eps", 1e-5),
+            rope_theta=rope.get("rope_theta") or text.get("rope_theta") or 10000.0,
+            max_position_embeddings=text.get("max_position_embeddings", 4096),
+            bos_token_id=text.get("bos_token_id"),
+            eos_token_id=text.get("eos_token_id"),
+        )
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm computed in fp32 (output fp32 for fp32 weights, so bf16 embeddings mix safely)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [..., T] -> cos, sin [..., T, D] (neox layout: the two halves share a frequency)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    freqs = positions.float()[..., None] * inv_freq  # [..., T, D/2]
+    angles = torch.cat([freqs, freqs], dim=-1)  # [..., T, D]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D]; cos/sin [B, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+class DraftAttention(nn.Module):
+    """Llama attention whose q/k/v read the 2H-wide [embed; hidden] input; the attention pattern itself
+    is the caller's `attend` (train-time-test mask in training, a KV cache in decoding)."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        width = 2 * config.hidden_size
+        self.q_proj = nn.Linear(width, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        batch, length, _ = x.shape  # x [B, T, 2H]
+        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        out = attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)  # [B, Hq, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """vLLM's layer 0 with `norm_before_residual=False`: the residual is the un-normed input state."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DraftAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DraftMLP(config)
+
+    def forward(
+        self, hidden: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        """hidden, embeds [B, T, H] -> pre-norm output [B, T, H] (the state fed to the next draft step)."""
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        hidden = hidden + self.self_attn(x, cos, sin, attend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+@dataclass
+class DraftKVCache:
+    """Keys/values of the draft layer for one sequence, entry j at rotary position j. Decoding appends the
+    verified prefix (from target states) and then its own chain; `truncate` drops rejected entries."""
+
+    keys: torch.Tensor | None = None  # [1, Hkv, L, D]
+    values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def truncate(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+
+class Eagle3Draft(nn.Module):
+    """Training: `forward` unrolls train-time test over a packed batch. Decoding: `step` / `propose` with
+    a `DraftKVCache`. Loading: `from_target` (fresh) and `from_exported` (a folder written by export)."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(config.fc_input_size, config.hidden_size, bias=False)
+        self.midlayer = DraftLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    # ---- building blocks -------------------------------------------------------------------------------
+    def combine_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [..., 3, Ht] -> fc(concat) [..., H]."""
+        return self.fc(aux.flatten(-2).to(self.fc.weight.dtype))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """Pre-norm states [..., H] -> draft-vocabulary logits [..., Vd]."""
+        return self.lm_head(self.norm(prenorm))
+
+    def layer(
+        self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        return self.midlayer(hidden, embeds, cos, sin, attend)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    # ---- training ----------------------------------------------------------------------------------------
+    def forward(
+        self,
+        aux: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        document_ids: torch.Tensor,
+        ttt_steps: int,
+        attention: str = "auto",
+    ) -> list[torch.Tensor]:
+        """Train-time test over packed sequences: aux [B, T, 3, Ht], input_ids/position_ids/document_ids
+        [B, T] -> one pre-norm state [B, T, H] per step. Step k at index i predicts token i+k+2; its inputs
+        are the token i+k+1 and (k > 0) the draft's own step k-1 state at index i, at position i+k;
+        it attends to step-0 entries j <= i of the same document and to its own chain (entries i of steps
+        1..k). `attention`: `flex` (GPU), `eager` (any device) or `auto`."""
+        from eagle3_core.training.attention import TTTAttention
+
+        attend = TTTAttention.for_documents(document_ids, attention)
+        embeds = self.embed(input_ids)  # [B, T, H]
+        hidden = self.combine_aux(aux)  # [B, T, H]
+        states = []
+        for step in range(ttt_steps):
+            step_embeds = shift_left(embeds, step + 1)  # token i+step+1 at index i
+            hidden = self.layer(hidden, step_embeds, position_ids + step, attend)
+            states.append(hidden)
+        return states
+
+    # ---- decoding ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(
+        self, cache: DraftKVCache, hidden: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append n entries to `cache` and return (logits [n, Vd], pre-norm states [n, H]).
+
+        hidden [n, H]: fc(aux) of target states, or the draft's previous pre-norm state; input_ids [n]:
+        TARGET ids of the token after each state. Entries take positions cache.length .. +n-1 and attend
+        causally to everything in the cache (one sequence, no batch)."""
+        start = cache.length
+        count = input_ids.shape[0]
+        positions = torch.arange(start, start + count, device=input_ids.device)[None]  # [1, n]
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.keys = k if cache.keys is None else torch.cat([cache.keys, k], dim=2)
+            cache.values = v if cache.values is None else torch.cat([cache.values, v], dim=2)
+            total = cache.length
+            mask = torch.arange(total, device=q.device)[None] <= positions[0, :, None]  # [n, L]
+            return F.scaled_dot_product_attention(
+                q, cache.keys.to(q.dtype), cache.values.to(q.dtype), attn_mask=mask, enable_gqa=True
+            )
+
+        out = self.layer(hidden[None].to(self.fc.weight.dtype), self.embed(input_ids)[None], positions, attend)
+        return self.compute_logits(out[0]), out[0]
+
+    @torch.no_grad()
+    def propose(
+        self, cache: DraftKVCache, aux: torch.Tensor, next_ids: torch.Tensor, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy chain of `num_tokens` draft tokens after newly verified positions.
+
+        aux [n, 3, Ht]: target states of the n positions verified since the last call (the whole prompt
+        the first time); next_ids [n]: the TARGET token following each of them (the last one is the
+        target's newly sampled token). The cache keeps the verified entries and drops the chain, so the
+        next call passes only the positions verified next. Returns (target ids [num_tokens],
+        draft logits [num_tokens, Vd])."""
+        logits, hidden = self.step(cache, self.combine_aux(aux), next_ids)
+        verified = cache.length
+        tokens, all_logits = [], []
+        current_logits, current_hidden = logits[-1:], hidden[-1:]
+        for _ in range(num_tokens):
+            token = self.draft_to_target(current_logits.argmax(-1))  # [1]
+            tokens.append(token)
+            all_logits.append(current_logits)
+            if len(tokens) < num_tokens:
+                current_logits, current_hidden = self.step(cache, current_hidden, token)
+        cache.truncate(verified)
+        return torch.cat(tokens), torch.cat(all_logits)
+
+    # ---- construction ------------------------------------------------------------------------------------
+    @classmethod
+    def from_target(
+        cls, config: DraftConfig, target_dir: Path | str, t2d: torch.Tensor, d2t: torch.Tensor
+    ) -> Eagle3Draft:
+        """A fresh draft: embeddings frozen from the target, lm_head = the target's rows selected by t2d
+        and the final norm = the target's, so the untrained head already speaks the target's language."""
+        from eagle3_core.models import load_target_tensors
+
+        tensors = load_target_tensors(target_dir, ["embed_tokens", "norm", "lm_head"])
+        draft = cls(config)
+        with torch.no_grad():
+            draft.embed_tokens.weight = nn.Parameter(tensors["embed_tokens"].float(), requires_grad=False)
+            draft.lm_head.weight.copy_(tensors["lm_head"][t2d].float())
+            draft.norm.weight.copy_(tensors["norm"].float())
+        draft.set_vocab(d2t, t2d)
+        return draft
+
+    @classmethod
+    def from_exported(cls, path: Path | str, target_dir: Path | str | None = None) -> Eagle3Draft:
+        """Load a folder written by `eagle3_core.export.export_draft`; the embeddings come from the
+        target (`target_dir`) unless the folder holds them."""
+        from safetensors.torch import load_file
+
+        from eagle3_core.export import config_from_hf
+
+        path = Path(path)
+        draft = cls(config_from_hf(json.loads((path / "config.json").read_text())))
+        weights = load_file(path / "model.safetensors")
+        if "embed_tokens.weight" not in weights:
+            if target_dir is None:
+                raise ValueError(f"{path}: no embed_tokens in the export; pass the target's folder")
+            from eagle3_core.models import load_target_tensors
+
+            weights["embed_tokens.weight"] = load_target_tensors(target_dir, ["embed_tokens"])["embed_tokens"]
+        state = {
+            name: tensor.to(torch.float32) if tensor.is_floating_point() else tensor for name, tensor in weights.items()
+        }
+        draft.load_state_dict(state, strict=True)
+        draft.embed_tokens.weight.requires_grad_(False)
+        return draft
+
+
+def shift_left(x: torch.Tensor, by: int) -> torch.Tensor:
+    """x [B, T, ...] -> x[:, by:] padded with zeros at the end (positions past the end are never scored)."""
+    if by == 0:
+        return x
+    pad = torch.zeros_like(x[:, :by])
+    return torch.cat([x[:, by:], pad], dim=1)
+
+
+def parameter_count(draft: Eagle3Draft) -> int:
+    """Trainable parameters (embeddings excluded: they are frozen)."""
+    return sum(p.numel() for p in draft.parameters() if p.requires_grad)

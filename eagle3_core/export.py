@@ -1,0 +1,170 @@
+"""Write the EAGLE-3 checkpoint that vLLM (`llama_eagle3.Eagle3LlamaForCausalLM`) and SGLang
+(`LlamaForCausalLMEagle3`) load: `config.json` + `model.safetensors` with the weight names below.
+
+Why the names are checked here and not left to the engine: both engines add their own prefix to every
+name they read (`model.` + name, `midlayer.` -> `layers.0.`) and then copy tensors into parameters that
+already exist. A parameter whose tensor is missing or misnamed keeps its initial value (zeros, ones or
+random) and nothing is reported; for `d2t` that value is zeros, i.e. draft id == target id. The engine
+starts, drafts, verifies, and acceptance silently falls to about zero. So the export writes exactly
+`WEIGHT_NAMES` (an explicit draft-module -> checkpoint map) and refuses a state that lacks any of them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from eagle3_core.draft import DraftConfig, Eagle3Draft
+from eagle3_core.files import atomic_path, write_text_atomic
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+# Draft module parameter/buffer -> checkpoint tensor name. They coincide by design (the draft's modules
+# are named after the checkpoint); the map is what is written, and nothing else is.
+WEIGHT_NAMES: dict[str, str] = {
+    name: name
+    for name in (
+        "fc.weight",
+        "midlayer.input_layernorm.weight",
+        "midlayer.hidden_norm.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "midlayer.self_attn.k_proj.weight",
+        "midlayer.self_attn.v_proj.weight",
+        "midlayer.self_attn.o_proj.weight",
+        "midlayer.post_attention_layernorm.weight",
+        "midlayer.mlp.gate_proj.weight",
+        "midlayer.mlp.up_proj.weight",
+        "midlayer.mlp.down_proj.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+    )
+}
+# Integer/bool tensors keep their dtype; every float tensor is written in the export dtype.
+INDEX_TENSORS = {"d2t": torch.int64, "t2d": torch.bool}
+
+
+def hf_config(config: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """config.json: a one-layer Llama plus the EAGLE-3 fields. The aux layer ids go both at the top level
+    (read by vLLM's worker to pick the target layers) and in `eagle_config` (read for the width of `fc`)."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": config.hidden_size,
+        "target_hidden_size": config.target_hidden_size or config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "max_position_embeddings": config.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def config_from_hf(data: dict) -> DraftConfig:
+    """The inverse of `hf_config`; refuses a config.json that is not an EAGLE-3 draft of ours."""
+    if data.get("architectures") != [ARCHITECTURE]:
+        raise ValueError(f"not an EAGLE-3 draft config: architectures={data.get('architectures')}")
+    rope = data.get("rope_parameters") or {}
+    return DraftConfig(
+        hidden_size=data["hidden_size"],
+        intermediate_size=data["intermediate_size"],
+        num_attention_heads=data["num_attention_heads"],
+        num_key_value_heads=data["num_key_value_heads"],
+        head_dim=data["head_dim"],
+        vocab_size=data["vocab_size"],
+        draft_vocab_size=data["draft_vocab_size"],
+        aux_layer_ids=list(data["eagle_aux_hidden_state_layer_ids"]),
+        target_hidden_size=data.get("target_hidden_size"),
+        rms_norm_eps=data["rms_norm_eps"],
+        rope_theta=rope.get("rope_theta", data.get("rope_theta", 10000.0)),
+        max_position_embeddings=data["max_position_embeddings"],
+        bos_token_id=data.get("bos_token_id"),
+        eos_token_id=data.get("eos_token_id"),
+    )
+
+
+def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """The shape vLLM allocates for every checkpoint tensor (q/k/v read 2H, fc reads 3 * target H)."""
+    hidden, inner = config.hidden_size, config.intermediate_size
+    q_width = config.num_attention_heads * config.head_dim
+    kv_width = config.num_key_value_heads * config.head_dim
+    layer = "midlayer."
+    return {
+        "fc.weight": (hidden, config.fc_input_size),
+        layer + "input_layernorm.weight": (hidden,),
+        layer + "hidden_norm.weight": (hidden,),
+        layer + "self_attn.q_proj.weight": (q_width, 2 * hidden),
+        layer + "self_attn.k_proj.weight": (kv_width, 2 * hidden),
+        layer + "self_attn.v_proj.weight": (kv_width, 2 * hidden),
+        layer + "self_attn.o_proj.weight": (hidden, q_width),
+        layer + "post_attention_layernorm.weight": (hidden,),
+        layer + "mlp.gate_proj.weight": (inner, hidden),
+        layer + "mlp.up_proj.weight": (inner, hidden),
+        layer + "mlp.down_proj.weight": (hidden, inner),
+        "norm.weight": (hidden,),
+        "lm_head.weight": (config.draft_vocab_size, hidden),
+        "d2t": (config.draft_vocab_size,),
+        "t2d": (config.vocab_size,),
+    }
+
+
+def check_checkpoint(tensors: dict[str, torch.Tensor], config: DraftConfig) -> None:
+    """Every required tensor present with vLLM's shape, nothing unexpected, d2t mapping into the vocab."""
+    shapes = expected_shapes(config)
+    missing = sorted(set(shapes) - set(tensors))
+    unexpected = sorted(set(tensors) - set(shapes))
+    if missing or unexpected:
+        raise ValueError(f"draft checkpoint names wrong: missing {missing}, unexpected {unexpected}")
+    wrong = {n: tuple(t.shape) for n, t in tensors.items() if tuple(t.shape) != shapes[n]}
+    if wrong:
+        raise ValueError(f"draft checkpoint shapes wrong: {wrong}; expected {[shapes[n] for n in wrong]}")
+    targets = torch.arange(config.draft_vocab_size) + tensors["d2t"]
+    if targets.min() < 0 or targets.max() >= config.vocab_size or not tensors["t2d"][targets].all():
+        raise ValueError("d2t maps draft ids outside the target vocabulary or disagrees with t2d")
+
+
+def checkpoint_tensors(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, renamed through `WEIGHT_NAMES`, float ones cast to `dtype`, on the CPU."""
+    state = draft.state_dict()
+    tensors = {}
+    for module_name, checkpoint_name in WEIGHT_NAMES.items():
+        tensor = state[module_name].detach().cpu()
+        tensors[checkpoint_name] = tensor.to(INDEX_TENSORS.get(checkpoint_name, dtype)).contiguous()
+    return tensors
+
+
+def export_draft(draft: Eagle3Draft, out_dir: Path | str, dtype: torch.dtype = torch.bfloat16) -> list[Path]:
+    """Write config.json and model.safetensors (atomically, each) and return their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = checkpoint_tensors(draft, dtype)
+    check_checkpoint(tensors, draft.config)
+    weights = out_dir / "model.safetensors"
+    with atomic_path(weights) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    config = out_dir / "config.json"
+    write_text_atomic(config, json.dumps(hf_config(draft.config, dtype), indent=2) + "\n")
+    return [config, weights]

@@ -1,0 +1,140 @@
+"""The draft model: TTT attention against an independent per-query computation, packed documents kept
+apart, and the decoding step API agreeing with the training unroll (what vLLM sees is what we train)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3_core.draft import DraftConfig, DraftKVCache, Eagle3Draft
+from eagle3_core.training.attention import TTTAttention, document_causal_mask, ttt_attention_eager
+
+
+def tiny_config(vocab: int = 97, draft_vocab: int = 40) -> DraftConfig:
+    return DraftConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        aux_layer_ids=[2, 4, 5],
+        rope_theta=10000.0,
+    )
+
+
+def tiny_draft(seed: int = 0) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    config = tiny_config()
+    draft = Eagle3Draft(config)
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    selected = torch.randperm(config.vocab_size)[: config.draft_vocab_size].sort().values
+    t2d[selected] = True
+    draft.set_vocab(selected - torch.arange(config.draft_vocab_size), t2d)
+    return draft.double()
+
+
+def reference_ttt_attention(q, keys, values, document_ids):
+    """Per query: softmax over step-0 keys j <= i of the same document plus index i of steps 1..k."""
+    batch, heads, length, dim = q.shape
+    groups = heads // keys[0].shape[1]
+    out = torch.zeros_like(q)
+    for b in range(batch):
+        for h in range(heads):
+            kv = h // groups
+            for i in range(length):
+                visible = [j for j in range(i + 1) if document_ids[b, j] == document_ids[b, i]]
+                ks = [keys[0][b, kv, j] for j in visible] + [key[b, kv, i] for key in keys[1:]]
+                vs = [values[0][b, kv, j] for j in visible] + [value[b, kv, i] for value in values[1:]]
+                weights = torch.softmax(torch.stack(ks) @ q[b, h, i] / dim**0.5, dim=0)
+                out[b, h, i] = weights @ torch.stack(vs)
+    return out
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_eager_ttt_attention_matches_reference(steps: int) -> None:
+    torch.manual_seed(1)
+    batch, heads, kv_heads, length, dim = 2, 4, 2, 9, 8
+    document_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2], [0, 0, 0, 0, 0, 0, 1, 1, 1]])
+    q = torch.randn(batch, heads, length, dim, dtype=torch.float64)
+    keys = [torch.randn(batch, kv_heads, length, dim, dtype=torch.float64) for _ in range(steps)]
+    values = [torch.randn(batch, kv_heads, length, dim, dtype=torch.float64) for _ in range(steps)]
+    got = ttt_attention_eager(q, keys, values, document_causal_mask(document_ids))
+    want = reference_ttt_attention(q, keys, values, document_ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_ttt_attention_object_keeps_each_steps_keys() -> None:
+    attend = TTTAttention.for_documents(torch.zeros(1, 5, dtype=torch.long), "eager")
+    q = torch.randn(1, 2, 5, 4)
+    for step in range(3):
+        attend(q, torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4))
+        assert len(attend.keys) == step + 1
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        TTTAttention.for_documents(torch.zeros(1, 5, dtype=torch.long), "bogus")
+
+
+def random_batch(draft: Eagle3Draft, lengths: list[int], seed: int = 2):
+    torch.manual_seed(seed)
+    total = sum(lengths)
+    aux = torch.randn(1, total, 3, draft.config.hidden_size, dtype=torch.float64)
+    input_ids = torch.randint(0, draft.config.vocab_size, (1, total))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    document_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])[None]
+    return aux, input_ids, position_ids, document_ids
+
+
+def test_packed_documents_do_not_see_each_other() -> None:
+    draft = tiny_draft()
+    aux, input_ids, position_ids, document_ids = random_batch(draft, [7, 6])
+    packed = draft(aux, input_ids, position_ids, document_ids, ttt_steps=3)
+    alone = draft(aux[:, 7:], input_ids[:, 7:], position_ids[:, 7:], document_ids[:, 7:] - 1, ttt_steps=3)
+    for step in range(3):
+        # Index i of the second document at step k is valid while i + k + 2 stays inside it.
+        valid = 6 - step - 2
+        torch.testing.assert_close(packed[step][:, 7 : 7 + valid], alone[step][:, :valid])
+
+
+def test_decoding_chain_equals_training_unroll() -> None:
+    """The chain vLLM runs (prefix from target states, then own states) is what training scores."""
+    draft = tiny_draft()
+    steps, length = 3, 10
+    aux, input_ids, position_ids, document_ids = random_batch(draft, [length])
+    trained = draft(aux, input_ids, position_ids, document_ids, ttt_steps=steps)
+    for start in (0, 4):  # chain after position `start`
+        cache = DraftKVCache()
+        logits, hidden = draft.step(cache, draft.combine_aux(aux[0, : start + 1]), input_ids[0, 1 : start + 2])
+        chain = [hidden[-1:]]
+        for step in range(1, steps):
+            _, hidden = draft.step(cache, chain[-1], input_ids[0, start + step + 1 : start + step + 2])
+            chain.append(hidden)
+        for step in range(steps):
+            torch.testing.assert_close(chain[step][0], trained[step][0, start])
+        assert cache.length == start + steps
+
+
+def test_propose_returns_target_ids_and_keeps_only_verified_entries() -> None:
+    draft = tiny_draft()
+    aux, input_ids, _, _ = random_batch(draft, [6])
+    cache = DraftKVCache()
+    tokens, logits = draft.propose(cache, aux[0], input_ids[0], num_tokens=3)
+    assert tokens.shape == (3,) and logits.shape == (3, draft.config.draft_vocab_size)
+    assert cache.length == 6
+    assert bool(draft.t2d[tokens].all())
+    assert torch.equal(tokens[0], draft.draft_to_target(logits[0].argmax()))
+
+
+def test_embeddings_are_frozen_and_names_match_the_checkpoint_layout() -> None:
+    draft = tiny_draft()
+    trainable = {name for name, p in draft.named_parameters() if p.requires_grad}
+    assert "embed_tokens.weight" not in trainable
+    assert {
+        "fc.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "midlayer.hidden_norm.weight",
+        "norm.weight",
+        "lm_head.weight",
+    } <= trainable
+    assert draft.midlayer.self_attn.q_proj.weight.shape[1] == 2 * draft.config.hidden_size
+    assert draft.fc.weight.shape == (32, 96)
