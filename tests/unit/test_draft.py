@@ -104,7 +104,7 @@ def test_decoding_chain_equals_training_unroll() -> None:
     trained = draft(aux, input_ids, position_ids, document_ids, ttt_steps=steps)
     for start in (0, 4):  # chain after position `start`
         cache = DraftKVCache()
-        logits, hidden = draft.step(cache, draft.combine_aux(aux[0, : start + 1]), input_ids[0, 1 : start + 2])
+        _, hidden = draft.step(cache, draft.combine_aux(aux[0, : start + 1]), input_ids[0, 1 : start + 2])
         chain = [hidden[-1:]]
         for step in range(1, steps):
             _, hidden = draft.step(cache, chain[-1], input_ids[0, start + step + 1 : start + step + 2])
