@@ -1,0 +1,323 @@
+"""Phase 3, extract hidden states: prefill every training sample once and store its aux and last states.
+
+Resume works per shard. The samples to extract (ok rows, not held out, in SampleSet order) are cut into
+shards of `samples_per_shard`; each shard's plan key digests the phase key and its sample ids. A shard
+counts as done when its completion record (`<shard>.done.json`, written after the shard) carries the same
+plan key and the file still matches the recorded size and sha256 (re-hashed when its mtime changed): a
+truncated or corrupt shard is rewritten, never trained on. The engine (one full weight load) starts only
+when a shard is missing, so a re-run with every shard done loads no weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from eagle3_core.artifacts import ArtifactInvalid, FileRecord, HiddenStateSet, SampleSet, TargetModel
+from eagle3_core.config import PipelineConfig
+from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
+from eagle3_core.extraction.reader import INDEX_FILE
+from eagle3_core.extraction.storage import (
+    LAST_STATE_NORMED,
+    BackgroundShardWriter,
+    SampleStates,
+    bytes_per_token,
+    check_sample,
+    shard_name,
+)
+from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.models import check_layer_ids, default_aux_layer_ids
+from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
+from eagle3_core.sample_table import is_heldout, iter_rows
+
+PHASE = "extraction"
+OUT_DIR = "hidden_states"
+FORMAT_VERSION = 1
+DONE_SUFFIX = ".done.json"
+
+
+def resolve_layer_ids(config: PipelineConfig, target: TargetModel) -> list[int]:
+    layer_ids = list(config.extraction.layer_ids or default_aux_layer_ids(target.num_layers))
+    check_layer_ids(layer_ids, target.num_layers)
+    return layer_ids
+
+
+def phase_config(config: PipelineConfig, target: TargetModel) -> dict[str, Any]:
+    """The config fields that change what is stored (batch size, concurrency and device do not)."""
+    ex = config.extraction
+    return {
+        "format_version": FORMAT_VERSION,
+        "backend": ex.backend,
+        "layer_ids": resolve_layer_ids(config, target),
+        "dtype": ex.dtype,
+        "samples_per_shard": ex.samples_per_shard,
+        "holdout_fraction": config.sampling.holdout_fraction,
+    }
+
+
+def training_rows(sample_set: SampleSet, holdout_fraction: float) -> list[dict]:
+    """Ok rows that are not held out for evaluation, in the SampleSet's order."""
+    return [
+        row
+        for row in iter_rows(sample_set, status="ok")
+        if row["input_ids"] and not is_heldout(row["id"], holdout_fraction)
+    ]
+
+
+def plan_shards(rows: list[dict], samples_per_shard: int) -> list[list[dict]]:
+    return [rows[i : i + samples_per_shard] for i in range(0, len(rows), samples_per_shard)]
+
+
+def shard_key(key: str, rows: list[dict]) -> str:
+    return sha256_json({"phase_key": key, "sample_ids": [r["id"] for r in rows]})
+
+
+def done_record(out_dir: Path, name: str, key: str) -> dict | None:
+    """The shard's completion record if the shard is complete for this plan and undamaged, else None."""
+    path = out_dir / (name + DONE_SUFFIX)
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("key") != key:
+        return None
+    if FileRecord.model_validate(record["file"]).problem(out_dir) is not None:
+        return None
+    return record
+
+
+def write_done_record(out_dir: Path, shard: Path, key: str, samples: list[SampleStates]) -> None:
+    record = {
+        "key": key,
+        "file": FileRecord.of(shard, out_dir).model_dump(),
+        "samples": [[s.sample_id, len(s.input_ids)] for s in samples],
+    }
+    write_text_atomic(out_dir / (shard.name + DONE_SUFFIX), json.dumps(record))
+
+
+def cached_manifest(out_dir: Path, config: dict, upstream: dict) -> HiddenStateSet | None:
+    path = out_dir / f"{HiddenStateSet.kind}.json"
+    if not path.exists():
+        return None
+    try:
+        manifest = HiddenStateSet.load(path)
+        manifest.validate()
+    except (ArtifactInvalid, ValueError, OSError):
+        return None
+    return manifest if manifest.config == config and manifest.upstream == upstream else None
+
+
+@contextmanager
+def open_backend(
+    config: PipelineConfig,
+    target: TargetModel,
+    layer_ids: list[int],
+    events: RunEvents,
+    progress: ProgressCallback,
+    server: Any,
+    max_tokens: int,
+) -> Iterator[Any]:
+    """Start the configured backend (one full weight load) and stop it on exit."""
+    if config.extraction.backend == "hf":
+        import torch
+
+        from eagle3_core.extraction.hf_backend import HfBackend, load_decoder, resolve_device
+
+        device = resolve_device(config.extraction.device)
+        progress(
+            ProgressUpdate(
+                phase=PHASE,
+                stage="weight load",
+                done=0,
+                total=100,
+                unit="%",
+                message=f"loading {target.name} on {device}",
+            )
+        )
+        with events.weight_load(PHASE, f"{target.name} (transformers, {device})"):
+            decoder = load_decoder(target.root_path, getattr(torch, config.target.dtype), device)
+        progress(ProgressUpdate(phase=PHASE, stage="weight load", done=100, total=100, unit="%"))
+        backend = HfBackend(decoder, layer_ids, config.extraction.batch_size)
+        try:
+            yield backend
+        finally:
+            backend.close()
+    else:
+        from eagle3_core.extraction.vllm_backend import open_vllm_backend
+
+        with open_vllm_backend(config, target, layer_ids, events, progress, server, max_tokens) as backend:
+            yield backend
+
+
+def extract_hidden_states(
+    config: PipelineConfig,
+    sample_set: SampleSet,
+    target: TargetModel,
+    events: RunEvents,
+    progress: ProgressCallback = ignore_progress,
+    server: Any = None,
+) -> HiddenStateSet:
+    """Extract the aux and last hidden states of every training sample into `<run_dir>/hidden_states/`."""
+    out_dir = Path(config.run_dir) / OUT_DIR
+    cfg = phase_config(config, target)
+    upstream = {"sample_set": sample_set.digest, "target": target.digest}
+    cached = cached_manifest(out_dir, cfg, upstream)
+    if cached is not None:
+        events.record(PHASE, CACHE_HIT, f"hidden states at {out_dir} are complete and valid", digest=cached.digest)
+        return cached
+
+    key = sha256_json({"config": cfg, "upstream": upstream})
+    rows = training_rows(sample_set, config.sampling.holdout_fraction)
+    if not rows:
+        raise ValueError(f"{sample_set.root}: no ok, non-held-out samples to extract")
+    shards = plan_shards(rows, config.extraction.samples_per_shard)
+    keys = [shard_key(key, s) for s in shards]
+    pending = [i for i, k in enumerate(keys) if done_record(out_dir, shard_name(i), k) is None]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale(out_dir, len(shards), pending)
+    if pending and len(pending) < len(shards):
+        events.record(
+            PHASE,
+            RESUME,
+            f"{len(shards) - len(pending)} of {len(shards)} shards done; extracting {len(pending)}",
+            pending=[shard_name(i) for i in pending],
+        )
+    if pending:
+        layer_ids = cfg["layer_ids"]
+        max_tokens = max(len(r["input_ids"]) for r in rows)
+        with open_backend(config, target, layer_ids, events, progress, server, max_tokens) as backend:
+            run_shards(backend, out_dir, shards, keys, pending, config.extraction.dtype, target.hidden_size, progress)
+    manifest = build_manifest(out_dir, shards, keys, cfg, upstream, target)
+    manifest.save()
+    events.record(
+        PHASE,
+        DECISION,
+        f"stored {manifest.samples} samples, {manifest.tokens} tokens in "
+        f"{len(shards)} shards ({manifest.bytes_per_token:.0f} bytes/token)",
+        digest=manifest.digest,
+    )
+    return manifest
+
+
+def remove_stale(out_dir: Path, num_shards: int, pending: list[int]) -> None:
+    """Drop completion records of shards about to be rewritten, shards beyond the plan, and the manifest
+    (it is rewritten at the end): a crash mid-run then never leaves a record that lies."""
+    (out_dir / f"{HiddenStateSet.kind}.json").unlink(missing_ok=True)
+    for i in pending:
+        (out_dir / (shard_name(i) + DONE_SUFFIX)).unlink(missing_ok=True)
+    for path in out_dir.glob("shard-*.safetensors*"):
+        index = int(path.name.split(".")[0].split("-")[1])
+        if index >= num_shards:
+            path.unlink()
+
+
+def run_shards(
+    backend: Any,
+    out_dir: Path,
+    shards: list[list[dict]],
+    keys: list[str],
+    pending: list[int],
+    dtype: str,
+    hidden_size: int,
+    progress: ProgressCallback,
+) -> None:
+    """Extract the pending shards; a background thread validates and writes each one while the next
+    shard's prefill runs."""
+    total_samples = sum(len(shards[i]) for i in pending)
+    meter = RateMeter()
+    counts = {"samples": 0, "tokens": 0, "shards": 0}
+
+    def checker(rows: list[dict]):
+        def check(samples: list[SampleStates]) -> None:
+            for row, states in zip(rows, samples, strict=True):
+                check_sample(states, row["input_ids"], hidden_size)
+
+        return check
+
+    def on_written(key: str):
+        def done(path: Path, samples: list[SampleStates]) -> None:
+            write_done_record(out_dir, path, key, samples)
+            counts["shards"] += 1
+
+        return done
+
+    with BackgroundShardWriter() as writer:
+        for i in pending:
+            states, ready = backend.extract(shards[i])
+            writer.submit(
+                out_dir / shard_name(i),
+                states,
+                dtype,
+                {"plan_key": keys[i]},
+                ready,
+                checker(shards[i]),
+                on_written(keys[i]),
+            )
+            counts["samples"] += len(shards[i])
+            counts["tokens"] += sum(len(r["input_ids"]) for r in shards[i])
+            rate = meter.rate(counts["tokens"])
+            progress(
+                ProgressUpdate(
+                    phase=PHASE,
+                    stage="samples",
+                    done=counts["samples"],
+                    total=total_samples,
+                    unit="samples",
+                    rate=rate,
+                    eta_s=meter.eta(counts["samples"], total_samples),
+                    message=f"{rate:.0f} tok/s, {counts['shards']}/{len(pending)} shards written",
+                )
+            )
+    progress(
+        ProgressUpdate(
+            phase=PHASE,
+            stage="shards",
+            done=len(pending),
+            total=len(pending),
+            unit="shards",
+            message=f"{len(pending)} shards written",
+        )
+    )
+
+
+def build_manifest(
+    out_dir: Path, shards: list[list[dict]], keys: list[str], cfg: dict, upstream: dict, target: TargetModel
+) -> HiddenStateSet:
+    """Index every sample (id -> shard, position, tokens) and record the shards' digests."""
+    files: list[FileRecord] = []
+    index: list[dict] = []
+    for i, key in enumerate(keys):
+        record = done_record(out_dir, shard_name(i), key)
+        if record is None:
+            raise ArtifactInvalid(f"{out_dir / shard_name(i)}: missing or damaged after extraction")
+        files.append(FileRecord.model_validate(record["file"]))
+        expected = [r["id"] for r in shards[i]]
+        stored = [sid for sid, _ in record["samples"]]
+        if stored != expected:
+            raise ArtifactInvalid(f"{out_dir / shard_name(i)}: holds samples {stored[:3]}..., not the plan's")
+        index += [
+            {"id": sid, "shard": shard_name(i), "position": p, "tokens": n}
+            for p, (sid, n) in enumerate(record["samples"])
+        ]
+    index_path = out_dir / INDEX_FILE
+    write_text_atomic(index_path, json.dumps({"samples": index}))
+    files.append(FileRecord.of(index_path, out_dir))
+    tokens = sum(e["tokens"] for e in index)
+    shard_bytes = sum(f.bytes for f in files[:-1])
+    return HiddenStateSet(
+        root=str(out_dir.resolve()),
+        files=files,
+        config=cfg,
+        upstream=upstream,
+        layer_ids=cfg["layer_ids"],
+        dtype=cfg["dtype"],
+        hidden_size=target.hidden_size,
+        samples=len(index),
+        tokens=tokens,
+        bytes_per_token=shard_bytes / tokens if tokens else bytes_per_token(target.hidden_size, cfg["dtype"]),
+        last_state_normed=LAST_STATE_NORMED,
+        backend=cfg["backend"],
+    )
