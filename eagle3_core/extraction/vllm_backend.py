@@ -1,0 +1,156 @@
+"""The vLLM backend: prefill-only extraction with the `extract_hidden_states` speculative method.
+
+vLLM is started with the aux layer ids plus N (the number of decoder layers): id N is the state after the
+last decoder layer, before the final norm (vLLM's Llama and DeepSeek-V2/V3 models both return it for id N),
+so the stored `last` matches the hf backend's. Each sample's token ids go to `/v1/completions` with
+`max_tokens=1`; the KV connector (`connector.py`) writes the prompt's states to a safetensors file whose
+path comes back in `kv_transfer_params`; the file is read, checked and deleted, its states go into our
+shards. Tensor parallelism, memory share and the rest come from `config.server`; the server lifecycle
+(load progress, stall detection, clean stop) is `eagle3_core.serving`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from eagle3_core.config import PipelineConfig
+from eagle3_core.events import DECISION, RunEvents
+from eagle3_core.extraction.connector import CONNECTOR_NAME
+from eagle3_core.extraction.storage import SampleStates, ShardError
+from eagle3_core.progress import ProgressCallback
+
+PHASE = "extraction"
+INCOMING_DIR = "incoming"
+
+
+def server_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    """The ids vLLM is asked for: the three aux ids, then N for the pre-norm last state."""
+    return [*layer_ids, num_layers]
+
+
+def extraction_args(layer_ids: list[int], num_layers: int, storage_dir: Path) -> list[str]:
+    """vLLM arguments that turn a server into a prefill-only hidden-state extractor."""
+    speculative = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {
+            "hf_config": {"eagle_aux_hidden_state_layer_ids": server_layer_ids(layer_ids, num_layers)}
+        },
+    }
+    transfer = {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": "eagle3_core.extraction.connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
+    }
+    # Prefix caching would serve a shared prompt prefix from blocks computed for another request; every
+    # request computes all of its own states instead, so nothing depends on cache reuse semantics.
+    return [
+        "--speculative-config", json.dumps(speculative),
+        "--kv-transfer-config", json.dumps(transfer),
+        "--no-enable-prefix-caching",
+    ]  # fmt: skip
+
+
+def read_states_file(path: Path) -> dict[str, torch.Tensor]:
+    """Read a file the connector wrote (waiting on its lock until the write is complete), then delete it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+        load_hidden_states,
+    )
+
+    data = load_hidden_states(str(path))
+    cleanup_hidden_states(str(path))
+    return data
+
+
+class VllmBackend:
+    """Sends a shard's samples to a running extraction server, `concurrency` requests at a time."""
+
+    def __init__(self, base_url: str, api_key: str | None, concurrency: int, timeout_s: float):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s)
+        self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="extract-request")
+        models = self.client.get("/v1/models")
+        models.raise_for_status()
+        self.model = models.json()["data"][0]["id"]
+
+    def extract_one(self, row: dict) -> SampleStates:
+        ids = list(row["input_ids"])
+        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
+        response = self.client.post("/v1/completions", json=body)
+        if response.status_code != 200:
+            raise ShardError(f"sample {row['id']}: server answered {response.status_code}: {response.text[:300]}")
+        answer = response.json()
+        returned = answer["choices"][0].get("prompt_token_ids")
+        if returned != ids:
+            raise ShardError(f"sample {row['id']}: the server's prompt token ids differ from the SampleSet's")
+        path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise ShardError(f"sample {row['id']}: no hidden_states_path in the answer; is the connector set?")
+        data = read_states_file(Path(path))
+        states = data["hidden_states"]  # [T, 4, H]: aux ids ascending, then N
+        return SampleStates(
+            sample_id=row["id"],
+            input_ids=data["token_ids"].long(),
+            loss_mask=torch.tensor(row["loss_mask"], dtype=torch.int8),
+            aux=states[:, :3],
+            last=states[:, 3],
+        )
+
+    def extract(self, rows: list[dict]) -> tuple[list[SampleStates], None]:
+        return list(self.pool.map(self.extract_one, rows)), None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.client.close()
+
+
+@contextmanager
+def open_vllm_backend(
+    config: PipelineConfig,
+    target: Any,
+    layer_ids: list[int],
+    events: RunEvents,
+    progress: ProgressCallback,
+    server: Any,
+    max_tokens: int,
+) -> Iterator[VllmBackend]:
+    """Use `server` when given (it must run with `extraction_args`), else start one extraction server
+    (one weight load) and stop it on exit. `max_tokens` is the longest sample: the server's context is
+    widened to hold it plus the one generated token."""
+    from eagle3_core.serving import VllmServer
+
+    timeout_s = config.sampling.request_timeout_s
+    if server is not None:
+        backend = VllmBackend(server.base_url, server.api_key, config.extraction.concurrency, timeout_s)
+        try:
+            yield backend
+        finally:
+            backend.close()
+        return
+    incoming = Path(config.run_dir) / "hidden_states" / INCOMING_DIR
+    shutil.rmtree(incoming, ignore_errors=True)
+    incoming.mkdir(parents=True)
+    server_config = config.server
+    if max_tokens + 1 > server_config.max_model_len:
+        server_config = server_config.model_copy(update={"max_model_len": max_tokens + 1})
+        events.record(PHASE, DECISION, f"extraction server context widened to {max_tokens + 1} tokens "
+                      "to hold the longest sample", max_model_len=max_tokens + 1)  # fmt: skip
+    args = extraction_args(layer_ids, target.num_layers, incoming.resolve())
+    with VllmServer(server_config, target.root_path, config.run_dir, events, progress, args, PHASE) as running:
+        backend = VllmBackend(running.base_url, running.api_key, config.extraction.concurrency, timeout_s)
+        try:
+            yield backend
+        finally:
+            backend.close()
+            shutil.rmtree(incoming, ignore_errors=True)

