@@ -107,7 +107,10 @@ class VocabConfig(Section):
 
 class TrainingConfig(Section):
     ttt_steps: int = Field(
-        3, ge=1, description="Train-time-test steps: draft positions trained by feeding back own states."
+        3,
+        ge=1,
+        description="Train-time-test steps: draft positions trained by feeding back own states. 3 = the k "
+        "served by default (evaluation.num_speculative_tokens); each step costs one more layer pass.",
     )
     step_weight: float = Field(0.8, gt=0, le=1, description="Loss weight decay per step: step i weighs w^i.")
     epochs: float = Field(2.0, gt=0, description="Passes over the training samples.")
@@ -129,6 +132,13 @@ class TrainingConfig(Section):
 
 
 class EvaluationConfig(Section):
+    attention: Literal["auto", "flex", "eager"] = Field(
+        "auto", description="TTT attention: flex_attention (GPU), eager explicit scores (any device), auto."
+    )
+    sharding: Literal["ddp", "fsdp2"] = Field(
+        "ddp", description="Under torchrun: DDP (replicated draft) or FSDP2 (sharded, for large drafts)."
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Resumable training states kept (newest first).")
     num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens proposed per target step (k).")
     prompt_sets: list[Literal["humaneval", "holdout"]] = Field(
         default_factory=lambda: ["humaneval", "holdout"], description="Held-out prompt sets to measure on."

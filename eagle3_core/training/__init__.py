@@ -10,7 +10,7 @@ from typing import Any
 
 
 def train_draft(*args: Any, **kwargs: Any) -> Any:
-    """`eagle3_core.training.loop.train_draft` (see there)."""
-    from eagle3_core.training.loop import train_draft as run
+    """`eagle3_core.training.phase.train_draft` (see there)."""
+    from eagle3_core.training.phase import train_draft as run
 
     return run(*args, **kwargs)

@@ -1,0 +1,198 @@
+"""The train-time-test objective: soft cross-entropy of each draft step against the target's distribution
+restricted to the draft vocabulary, step k weighted by `step_weight**k`, loss-masked, packed-aware.
+
+Target logits come from the stored last-layer state through the target's lm_head rows selected by t2d
+(after the target's final norm iff the stored state is pre-norm), computed once per batch and shared by
+all steps: row j predicts token j+1, so draft step k at index i (which predicts token i+k+2) is scored
+against target row i+k+1.
+
+The loss never materialises full fp32 logits: `fused_soft_cross_entropy` walks row chunks, computes each
+chunk's logits once, and forms the gradients w.r.t. the hidden states and lm_head in the same pass
+(d loss / d logits = softmax(draft) - p_target), so backward is two saved tensors times a scalar.
+Imports only torch (the GPU benchmark uses it without pydantic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eagle3_core.draft import Eagle3Draft
+
+LOSS_CHUNK_ROWS = 4096
+
+
+class _FusedSoftCrossEntropy(torch.autograd.Function):
+    """sum_n row_weight[n] * CE(softmax(target[n]), log_softmax(hidden[n] @ weight.T)), plus the draft's
+    argmax per row (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target_logits, row_weights, compute_dtype, chunk):
+        grad_hidden = torch.empty_like(hidden)  # [N, H]
+        grad_weight = torch.zeros_like(weight)  # [Vd, H]
+        accumulate = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 in exactness tests
+        loss = hidden.new_zeros((), dtype=accumulate)
+        draft_top1 = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+        weight_c = weight.to(compute_dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk):
+                rows = slice(start, start + chunk)
+                h = hidden[rows].to(compute_dtype)  # [C, H]
+                log_probs = torch.log_softmax((h @ weight_c.T).to(accumulate), dim=-1)  # [C, Vd]
+                target_probs = torch.softmax(target_logits[rows].to(accumulate), dim=-1)  # [C, Vd]
+                w = row_weights[rows, None]  # [C, 1]
+                loss -= (w * target_probs * log_probs).sum()
+                grad_logits = ((log_probs.exp() - target_probs) * w).to(compute_dtype)  # [C, Vd]
+                grad_hidden[rows] = (grad_logits @ weight_c).to(hidden.dtype)
+                grad_weight += (grad_logits.T @ h).to(weight.dtype)
+                draft_top1[rows] = log_probs.argmax(-1)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.mark_non_differentiable(draft_top1)
+        return loss, draft_top1
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_top1):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None
+
+
+def fused_soft_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_logits: torch.Tensor,
+    row_weights: torch.Tensor,
+    compute_dtype: torch.dtype | None = None,
+    chunk: int = LOSS_CHUNK_ROWS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [N, H] (normed draft states), weight [Vd, H] (lm_head), target_logits [N, Vd], row_weights
+    [N] -> (weighted loss sum, draft argmax [N]). Matmuls run in `compute_dtype` (bf16 on GPU)."""
+    dtype = compute_dtype or hidden.dtype
+    return _FusedSoftCrossEntropy.apply(hidden, weight, target_logits, row_weights, dtype, chunk)
+
+
+def step_valid(loss_mask: torch.Tensor, document_ids: torch.Tensor, step: int) -> torch.Tensor:
+    """[B, T] bool: draft step `step` at index i is scored iff token i+step+2 exists, is loss-masked and is
+    in the same document as i (a chain never crosses into the next packed sample)."""
+    shift = step + 2
+    valid = torch.zeros_like(loss_mask, dtype=torch.bool)
+    if shift < loss_mask.shape[1]:
+        same_document = document_ids[:, shift:] == document_ids[:, :-shift]
+        valid[:, :-shift] = loss_mask[:, shift:].bool() & same_document
+    return valid
+
+
+@dataclass
+class TargetHead:
+    """The target's final norm (None when states are stored normed) and lm_head rows of the draft
+    vocabulary; `full_weight` (the whole lm_head) is kept for validation's exact top-1 only."""
+
+    weight: torch.Tensor  # [Vd, H]
+    norm_weight: torch.Tensor | None  # [H]
+    eps: float
+    d2t: torch.Tensor  # [Vd]
+    full_weight: torch.Tensor | None = None  # [V, H]
+
+    @classmethod
+    def from_target(
+        cls, target_dir: Path | str, t2d: torch.Tensor, d2t: torch.Tensor, last_state_normed: bool, eps: float
+    ) -> TargetHead:
+        from eagle3_core.models import load_target_tensors
+
+        tensors = load_target_tensors(target_dir, ["norm", "lm_head"])
+        norm = None if last_state_normed else tensors["norm"]
+        return cls(tensors["lm_head"][t2d].contiguous(), norm, eps, d2t, tensors["lm_head"])
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> TargetHead:
+        move = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+        return TargetHead(
+            move(self.weight), move(self.norm_weight), self.eps, self.d2t.to(device), move(self.full_weight)
+        )
+
+    def normed(self, last: torch.Tensor) -> torch.Tensor:
+        if self.norm_weight is None:
+            return last
+        x = last.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(last.dtype) * self.norm_weight
+
+    @torch.no_grad()
+    def logits(self, last: torch.Tensor) -> torch.Tensor:
+        """last [B, T, H] -> draft-vocabulary logits [B, T, Vd] (in the head's dtype)."""
+        return self.normed(last.to(self.weight.dtype)) @ self.weight.T
+
+    @torch.no_grad()
+    def full_top1(self, last: torch.Tensor, chunk: int = LOSS_CHUNK_ROWS) -> torch.Tensor:
+        """Target ids of the target's greedy token at every row, over its whole vocabulary: [B, T]."""
+        if self.full_weight is None:
+            return self.draft_to_target(self.logits(last).argmax(-1))
+        flat = self.normed(last.to(self.full_weight.dtype)).flatten(0, 1)
+        top1 = torch.cat([(flat[s : s + chunk] @ self.full_weight.T).argmax(-1) for s in range(0, len(flat), chunk)])
+        return top1.view(last.shape[:2])
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+class TTTObjective(nn.Module):
+    """Draft + loss in one module, so DDP/FSDP wrap a single forward that returns the loss.
+
+    forward(batch) -> (loss, stats [K, 3] = per step: unweighted CE sum, top-1 agreements, scored tokens;
+    agree [K, B, T] and valid [K, B, T] for the acceptance simulation)."""
+
+    def __init__(self, draft: Eagle3Draft, ttt_steps: int, step_weight: float, attention: str = "auto"):
+        super().__init__()
+        self.draft, self.ttt_steps, self.step_weight, self.attention = draft, ttt_steps, step_weight, attention
+
+    def forward(self, batch: dict[str, torch.Tensor], head: TargetHead, exact_top1: bool = False):
+        states = self.draft(
+            batch["aux"],
+            batch["input_ids"],
+            batch["position_ids"],
+            batch["document_ids"],
+            self.ttt_steps,
+            self.attention,
+        )  # K x [B, T, H]
+        target_logits = head.logits(batch["last"])  # [B, T, Vd], once per batch
+        target_top1 = head.full_top1(batch["last"]) if exact_top1 else head.draft_to_target(target_logits.argmax(-1))
+        compute_dtype = torch.bfloat16 if states[0].is_cuda else torch.float32
+        loss = states[0].new_zeros((), dtype=torch.float32)
+        stats, agree, valid_all = [], [], []
+        for step, state in enumerate(states):
+            valid = step_valid(batch["loss_mask"], batch["document_ids"], step)  # [B, T]
+            count = valid.sum()
+            rows = valid.nonzero(as_tuple=True)  # (b, i)
+            target_rows = (rows[0], rows[1] + step + 1)
+            hidden = self.draft.norm(state[rows])  # [N, H]
+            row_weight = torch.full_like(hidden[:, 0], self.step_weight**step) / count.clamp(min=1)
+            step_loss, draft_top1 = fused_soft_cross_entropy(
+                hidden, self.draft.lm_head.weight, target_logits[target_rows], row_weight, compute_dtype
+            )
+            loss = loss + step_loss
+            hit = torch.zeros_like(valid)
+            hit[rows] = self.draft.draft_to_target(draft_top1) == target_top1[target_rows]
+            unweighted = step_loss.detach() * count / self.step_weight**step
+            stats.append(torch.stack([unweighted, hit.sum().float(), count.float()]))
+            agree.append(hit)
+            valid_all.append(valid)
+        return loss, torch.stack(stats), torch.stack(agree), torch.stack(valid_all)
+
+
+def acceptance_counts(agree: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Greedy chain acceptance from per-step top-1 agreement (teacher-forced inputs equal the greedy
+    chain's while every earlier token was accepted). agree/valid [K, ...] -> (chains accepting positions
+    0..k, for each k: [K] long; chains counted). Chains start where step 0 is scored and stop where the
+    sample ends; sum the counts over batches, then `acceptance_summary`."""
+    chains = valid[0]
+    accepted_prefix = torch.cumprod((agree & valid).long(), dim=0)[:, chains]  # [K, chains]
+    return accepted_prefix.sum(-1).cpu(), int(chains.sum())
+
+
+def acceptance_summary(accepted: torch.Tensor, chains: int) -> tuple[float, list[float]]:
+    """(simulated acceptance length 1 + E[accepted tokens], per-position acceptance rates) as vLLM
+    reports them: position k counts chains whose first k+1 draft tokens were all accepted."""
+    if chains == 0:
+        return 1.0, [0.0] * len(accepted)
+    per_position = [count / chains for count in accepted.tolist()]
+    return 1.0 + sum(per_position), per_position

@@ -1,0 +1,140 @@
+"""Phase 5, train the draft: wire hidden states, vocab map and target into the loop, then export the
+vLLM/SGLang-loadable folder to `<run_dir>/draft/export/` with the resumable state beside it
+(`<run_dir>/draft/state/`). Under torchrun every rank calls this; rank 0 writes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap, record_files
+from eagle3_core.config import PipelineConfig
+from eagle3_core.draft import DraftConfig, Eagle3Draft
+from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
+from eagle3_core.export import export_draft
+from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.progress import ProgressCallback, ignore_progress
+from eagle3_core.training.distributed import Group, barrier, init_group
+from eagle3_core.training.loop import PHASE, run_training, split_validation
+from eagle3_core.training.loss import TargetHead, TTTObjective
+from eagle3_core.training.state import FULL
+from eagle3_core.vocab import load_vocab_tensors
+
+OUT_DIR = "draft"
+EXPORT_DIR = "export"
+STATE_DIR = "state"
+KEY_FILE = "key.json"
+FORMAT_VERSION = 1
+# Fields that do not change the trained weights (where it runs, how often it saves) stay out of the key.
+NOT_IN_KEY = {"device", "checkpoint_every", "keep_checkpoints"}
+
+
+def phase_config(config: PipelineConfig) -> dict:
+    fields = config.training.model_dump(mode="json", exclude=NOT_IN_KEY)
+    return {"format_version": FORMAT_VERSION, **fields}
+
+
+def target_rms_eps(target: TargetModel) -> float:
+    data = json.loads((target.root_path / "config.json").read_text())
+    return data.get("text_config", data).get("rms_norm_eps", 1e-6)
+
+
+def cached_checkpoint(out_dir: Path, cfg: dict, upstream: dict) -> DraftCheckpoint | None:
+    path = out_dir / f"{DraftCheckpoint.kind}.json"
+    if not path.exists():
+        return None
+    try:
+        stored = DraftCheckpoint.load(path)
+    except ValueError:
+        return None
+    return stored if stored.config == cfg and stored.upstream == upstream and stored.is_valid() else None
+
+
+def prepare_state_dir(state_dir: Path, key: str, events: RunEvents, group: Group) -> None:
+    """Keep a resumable state only if it was made with this key; a stale one is removed, not resumed."""
+    if group.is_main:
+        key_path = state_dir / KEY_FILE
+        if key_path.exists() and json.loads(key_path.read_text())["key"] != key:
+            events.record(PHASE, DECISION, "discarding training state made from other inputs or settings")
+            shutil.rmtree(state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(key_path, json.dumps({"key": key}))
+    barrier(group)
+
+
+def build_draft(config: PipelineConfig, target: TargetModel, draft_config: DraftConfig, d2t, t2d) -> Eagle3Draft:
+    torch.manual_seed(config.training.seed)
+    if config.training.warm_start:
+        draft = Eagle3Draft.from_exported(config.training.warm_start, target.root_path)
+        if draft.config.to_json() != draft_config.to_json():
+            raise ValueError(f"warm start {config.training.warm_start}: its shape or vocabulary differ from this run's")
+        return draft
+    return Eagle3Draft.from_target(draft_config, target.root_path, t2d, d2t)
+
+
+def train_draft(
+    config: PipelineConfig,
+    hidden_states: HiddenStateSet,
+    vocab_map: VocabMap,
+    target: TargetModel,
+    events: RunEvents,
+    progress: ProgressCallback = ignore_progress,
+) -> DraftCheckpoint:
+    """Train (or resume, or reuse) the draft and return its checkpoint manifest."""
+    from eagle3_core.extraction.reader import HiddenStateDataset
+
+    tc = config.training
+    out_dir = Path(config.run_dir) / OUT_DIR
+    cfg = phase_config(config)
+    upstream = {"hidden_states": hidden_states.digest, "vocab_map": vocab_map.digest, "target": target.digest}
+    cached = cached_checkpoint(out_dir, cfg, upstream)
+    if cached is not None:
+        events.record(PHASE, CACHE_HIT, f"draft at {out_dir} is trained and valid", digest=cached.digest)
+        return cached
+    group = init_group(tc.device)
+    d2t, t2d = load_vocab_tensors(vocab_map, hidden_states.upstream.get("sample_set", ""))
+    target_config = json.loads((target.root_path / "config.json").read_text())
+    draft_config = DraftConfig.from_target_config(target_config, vocab_map.draft_vocab_size, hidden_states.layer_ids)
+    draft = build_draft(config, target, draft_config, d2t, t2d)
+    head = TargetHead.from_target(target.root_path, t2d, d2t, hidden_states.last_state_normed, target_rms_eps(target))
+    everything = HiddenStateDataset(hidden_states, tc.max_length)
+    train_ids, val_ids = split_validation(everything.sample_ids, tc.holdout_fraction)
+    train_data = HiddenStateDataset(hidden_states, tc.max_length, train_ids)
+    val_data = HiddenStateDataset(hidden_states, tc.max_length, val_ids) if val_ids else None
+    if group.is_main:
+        events.record(
+            PHASE,
+            DECISION,
+            f"training on {len(train_ids)} samples ({len(train_data)} packed sequences), validating on "
+            f"{len(val_ids)}; {train_data.truncated} samples truncated to {tc.max_length} tokens",
+            world=group.world,
+            device=str(group.device),
+        )
+    state_dir = out_dir / STATE_DIR
+    prepare_state_dir(state_dir, sha256_json({"config": cfg, "upstream": upstream}), events, group)
+    objective = TTTObjective(draft, tc.ttt_steps, tc.step_weight, tc.attention)
+    step, metrics = run_training(objective, head, train_data, val_data, tc, state_dir, group, events, progress)
+    full_state = get_model_state_dict(objective, options=FULL)
+    checkpoint = None
+    if group.is_main:
+        exported = Eagle3Draft(draft_config)
+        exported.load_state_dict({k.removeprefix("draft."): v for k, v in full_state.items()}, strict=True)
+        paths = export_draft(exported, out_dir / EXPORT_DIR)
+        checkpoint = DraftCheckpoint(
+            root=str(out_dir.resolve()),
+            files=record_files(out_dir, paths),
+            config=cfg,
+            upstream=upstream,
+            step=step,
+            layer_ids=list(hidden_states.layer_ids),
+            metrics=metrics,
+        )
+        checkpoint.save()
+        summary = ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith(("val_top1", "val_accept")))
+        events.record(PHASE, DECISION, f"trained {step} steps; {summary}", digest=checkpoint.digest)
+    barrier(group)
+    return checkpoint or DraftCheckpoint.load(out_dir)

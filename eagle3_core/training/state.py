@@ -1,0 +1,100 @@
+"""Resumable training state: model (trainable tensors and buffers; the frozen embeddings come back from
+the target), optimizer, scheduler, RNG streams, data position and metric history, one atomic file per
+checkpoint plus `latest.json` naming the newest. A run killed at any moment resumes from the newest
+complete file and ends with the same weights as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from eagle3_core.files import atomic_path, write_text_atomic
+
+LATEST = "latest.json"
+FROZEN = ("draft.embed_tokens.weight",)
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gather_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Full (unsharded, CPU) model and optimizer state; a collective under FSDP2, so every rank calls it."""
+    model = {k: v for k, v in get_model_state_dict(module, options=FULL).items() if k not in FROZEN}
+    return model, get_optimizer_state_dict(module, optimizer, options=FULL)
+
+
+def save_state(
+    state_dir: Path,
+    step: int,
+    model: dict,
+    optimizer: dict,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    position: dict[str, int],
+    history: list[dict],
+    keep: int,
+) -> Path:
+    """Write `step-XXXXXXXX.pt` atomically, point `latest.json` at it, and drop all but `keep` files."""
+    path = state_dir / f"step-{step:08d}.pt"
+    payload = {
+        "step": step,
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler.state_dict(),
+        "rng": rng_state(),
+        "position": position,
+        "history": history,
+    }
+    with atomic_path(path) as tmp:
+        torch.save(payload, tmp)
+    write_text_atomic(state_dir / LATEST, json.dumps({"file": path.name, "step": step}))
+    for old in sorted(state_dir.glob("step-*.pt"))[:-keep]:
+        old.unlink()
+    return path
+
+
+def latest_state(state_dir: Path) -> Path | None:
+    """The newest complete state file, or None (a missing or dangling `latest.json` means none)."""
+    latest = state_dir / LATEST
+    if not latest.exists():
+        return None
+    path = state_dir / json.loads(latest.read_text())["file"]
+    return path if path.exists() else None
+
+
+def load_state(
+    path: Path,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> dict[str, Any]:
+    """Restore everything saved by `save_state`; returns step, position and history."""
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    set_model_state_dict(module, payload["model"], options=StateDictOptions(full_state_dict=True, strict=False))
+    set_optimizer_state_dict(module, optimizer, payload["optimizer"], options=FULL)
+    scheduler.load_state_dict(payload["scheduler"])
+    set_rng_state(payload["rng"])
+    return {"step": payload["step"], "position": payload["position"], "history": payload["history"]}

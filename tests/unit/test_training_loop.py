@@ -1,0 +1,110 @@
+"""The training loop on synthetic packed sequences: it learns, a run stopped at step k and resumed ends
+bit for bit where an uninterrupted run ends, and the schedule/batching helpers behave."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_core.config import TrainingConfig
+from eagle3_core.events import RESUME, RunEvents
+from eagle3_core.training.distributed import Group
+from eagle3_core.training.loop import lr_factor, rank_batches, run_training, split_validation
+from eagle3_core.training.loss import TargetHead, TTTObjective
+from eagle3_core.training.state import latest_state
+from tests.unit.test_draft import tiny_draft
+
+CPU = Group(rank=0, world=1, device=torch.device("cpu"))
+
+
+def synthetic_data(count: int, seed: int = 5) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    items = []
+    for _ in range(count):
+        lengths = [int(n) for n in torch.randint(6, 12, (2,), generator=generator)]
+        total = sum(lengths)
+        items.append(
+            {
+                "aux": torch.randn(total, 3, 32, generator=generator),
+                "last": torch.randn(total, 32, generator=generator),
+                "input_ids": torch.randint(0, 97, (total,), generator=generator),
+                "loss_mask": torch.rand(total, generator=generator) > 0.2,
+                "position_ids": torch.cat([torch.arange(n) for n in lengths]),
+                "document_ids": torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)]),
+            }
+        )
+    return items
+
+
+def setup(seed: int = 0) -> tuple[TTTObjective, TargetHead]:
+    draft = tiny_draft(seed).float()
+    generator = torch.Generator().manual_seed(9)
+    head = TargetHead(
+        weight=torch.randn(40, 32, generator=generator), norm_weight=torch.ones(32), eps=1e-5, d2t=draft.d2t
+    )
+    return TTTObjective(draft, ttt_steps=2, step_weight=0.8, attention="eager"), head
+
+
+def config(**overrides) -> TrainingConfig:
+    return TrainingConfig(max_steps=8, checkpoint_every=3, lr=3e-3, batch_size=2, **overrides)
+
+
+def test_resumed_run_ends_bit_for_bit_where_uninterrupted_run_ends(tmp_path: Path) -> None:
+    data = synthetic_data(6)
+    events = RunEvents(tmp_path)
+    objective, head = setup()
+    steps, _ = run_training(objective, head, data, None, config(), tmp_path / "straight", CPU, events)
+    assert steps == 8
+    straight = {k: v.clone() for k, v in objective.state_dict().items()}
+
+    objective, head = setup()
+    steps, _ = run_training(objective, head, data, None, config(), tmp_path / "resumed", CPU, events, stop_after=5)
+    assert steps == 5 and latest_state(tmp_path / "resumed").name == "step-00000003.pt"
+    objective, head = setup()  # a fresh process; its trainable weights are not even the initial ones
+    with torch.no_grad():
+        for parameter in objective.parameters():
+            if parameter.requires_grad:
+                parameter.normal_()
+    steps, _ = run_training(objective, head, data, None, config(), tmp_path / "resumed", CPU, events)
+    assert steps == 8 and events.count(RESUME, "training") == 1
+    for name, tensor in objective.state_dict().items():
+        assert torch.equal(tensor, straight[name]), name
+    assert sorted(p.name for p in (tmp_path / "resumed").glob("step-*.pt")) == ["step-00000006.pt", "step-00000008.pt"]
+
+
+def test_training_lowers_loss_and_reports_validation(tmp_path: Path) -> None:
+    data = synthetic_data(8)
+    objective, head = setup()
+    updates = []
+    tc = TrainingConfig(max_steps=40, checkpoint_every=100, lr=1e-2, batch_size=2, warmup_ratio=0.1)
+    steps, metrics = run_training(
+        objective, head, data, data[:3], tc, tmp_path, CPU, RunEvents(tmp_path), updates.append
+    )
+    assert steps == 40 and len(updates) == 40
+    assert updates[-1].done == 40 and updates[-1].rate > 0 and "loss" in updates[-1].message
+    assert metrics["val_loss_0"] < metrics["initial_val_loss_0"]
+    assert metrics["val_top1_0"] > metrics["initial_val_top1_0"]
+    assert 1.0 <= metrics["val_acceptance_length"] <= 3.0
+
+
+def test_schedule_and_batches() -> None:
+    factors = [lr_factor(s, 100, 0.1, 0.1) for s in range(100)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert factors[-1] == pytest.approx(0.1, abs=1e-3) and all(a >= b for a, b in itertools.pairwise(factors[9:]))
+    two = [Group(rank=r, world=2, device=torch.device("cpu")) for r in (0, 1)]
+    batches = [rank_batches(5, 2, g, seed=0, epoch=3) for g in two]
+    assert len(batches[0]) == len(batches[1]) == 2  # padded so both ranks run the same number of steps
+    assert sorted({i for batch in batches[0] + batches[1] for i in batch}) == [0, 1, 2, 3, 4]
+    assert rank_batches(5, 2, two[0], seed=0, epoch=3) == batches[0]  # deterministic per epoch
+
+
+def test_validation_split_is_salted_against_the_evaluation_holdout() -> None:
+    from eagle3_core.sample_table import is_heldout
+
+    ids = [f"p{i}" for i in range(2000)]
+    extracted = [s for s in ids if not is_heldout(s, 0.1)]  # what extraction keeps
+    train, val = split_validation(extracted, 0.05)
+    assert 50 < len(val) < 150 and len(train) + len(val) == len(extracted)

@@ -1,0 +1,84 @@
+"""The TTT objective: fused chunked soft cross-entropy equals the plain autograd formula (value and
+gradients), the step/target alignment and masks, and the acceptance simulation."""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3_core.training.loss import (
+    TargetHead,
+    TTTObjective,
+    acceptance_counts,
+    acceptance_summary,
+    fused_soft_cross_entropy,
+    step_valid,
+)
+from tests.unit.test_draft import random_batch, tiny_draft
+
+
+def test_fused_soft_cross_entropy_matches_autograd() -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(13, 8, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(11, 13, dtype=torch.float64)
+    row_weights = torch.rand(11, dtype=torch.float64)
+    loss, top1 = fused_soft_cross_entropy(hidden, weight, target, row_weights, chunk=4)
+    (loss * 3).backward()
+    fused_grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    logits = hidden @ weight.T
+    want = -(row_weights[:, None] * torch.softmax(target, -1) * torch.log_softmax(logits, -1)).sum()
+    (want * 3).backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(fused_grads[0], hidden.grad)
+    torch.testing.assert_close(fused_grads[1], weight.grad)
+    assert torch.equal(top1, logits.argmax(-1))
+
+
+def test_step_valid_respects_documents_and_loss_mask() -> None:
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 1, 0, 1, 1]])
+    document_ids = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 1]])
+    # step 0 at i scores token i+2: i=0..2 -> tokens 2..4 (doc 0, masked 1); i=3 -> token 5 (other doc).
+    assert step_valid(loss_mask, document_ids, 0).long().tolist() == [[1, 1, 1, 0, 0, 1, 1, 0, 0]]
+    assert step_valid(loss_mask, document_ids, 1).long().tolist() == [[1, 1, 0, 0, 0, 1, 0, 0, 0]]
+    assert not step_valid(loss_mask, document_ids, 8).any()
+
+
+def test_acceptance_counts_stop_at_first_miss() -> None:
+    agree = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)[:, None]
+    valid = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0], [0, 1, 1, 0]], dtype=torch.bool)[:, None]
+    accepted, chains = acceptance_counts(agree, valid)
+    assert chains == 3
+    assert accepted.tolist() == [2, 1, 0]  # chain 0 stops at position 2 (sample ended)
+    tau, per_position = acceptance_summary(accepted, chains)
+    assert per_position == [2 / 3, 1 / 3, 0.0] and abs(tau - 2.0) < 1e-9
+
+
+def test_objective_scores_each_step_against_the_shifted_target_row() -> None:
+    draft = tiny_draft()
+    aux, input_ids, position_ids, document_ids = random_batch(draft, [9, 7])
+    last = torch.randn(1, 16, 32, dtype=torch.float64)
+    loss_mask = torch.ones(1, 16, dtype=torch.bool)
+    head = TargetHead(weight=torch.randn(40, 32, dtype=torch.float64), norm_weight=None, eps=1e-5, d2t=draft.d2t)
+    batch = {
+        "aux": aux,
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "document_ids": document_ids,
+        "loss_mask": loss_mask,
+        "last": last,
+    }
+    objective = TTTObjective(draft, ttt_steps=3, step_weight=0.5, attention="eager")
+    loss, stats, _, valid = objective(batch, head)
+    loss.backward()
+    assert draft.fc.weight.grad is not None and draft.embed_tokens.weight.grad is None
+    states = draft(aux, input_ids, position_ids, document_ids, 3)
+    target_logits = last @ head.weight.T
+    want = 0.0
+    for step in range(3):
+        rows = valid[step].nonzero(as_tuple=True)
+        logits = draft.compute_logits(states[step][rows])
+        ce = -(torch.softmax(target_logits[rows[0], rows[1] + step + 1], -1) * torch.log_softmax(logits, -1)).sum(-1)
+        want = want + 0.5**step * ce.mean()
+        assert int(stats[step, 2]) == len(rows[0]) == (9 - step - 2) + (7 - step - 2)
+    torch.testing.assert_close(loss.double(), want.detach())

@@ -1,0 +1,69 @@
+"""The training phase end to end on tiny random targets (Llama, and DeepSeek-V3 with MLA + MoE): hf hidden
+states -> vocab map -> train_draft -> exported folder; a re-run is a cache hit; stale vocab refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from extraction_fixtures import build_sample_set
+
+from eagle3_core.config import PipelineConfig
+from eagle3_core.draft import DraftKVCache, Eagle3Draft
+from eagle3_core.events import CACHE_HIT, RunEvents
+from eagle3_core.extraction import extract_hidden_states
+from eagle3_core.training import train_draft
+from eagle3_core.vocab import StaleVocabMap, build_vocab_map
+
+
+@pytest.fixture(scope="module")
+def sample_set(tmp_path_factory, smollm2_target):
+    return build_sample_set(tmp_path_factory.mktemp("samples"), smollm2_target.root_path, num_ok=10)
+
+
+def make_config(run_dir) -> PipelineConfig:
+    config = PipelineConfig(run_dir=run_dir)
+    config.sampling.holdout_fraction = 0.0
+    config.extraction.backend = "hf"
+    config.vocab.draft_vocab_size = 300
+    training = config.training
+    training.max_steps, training.ttt_steps, training.max_length = 4, 2, 96
+    training.checkpoint_every, training.holdout_fraction, training.device = 2, 0.3, "cpu"
+    return config
+
+
+@pytest.mark.parametrize("target_name", ["tiny_llama", "tiny_deepseek"])
+def test_train_draft_end_to_end(request, tmp_path, sample_set, target_name) -> None:
+    target = request.getfixturevalue(target_name)
+    config = make_config(tmp_path)
+    events = RunEvents(tmp_path)
+    hidden = extract_hidden_states(config, sample_set, target, events)
+    vocab_map = build_vocab_map(config, sample_set, target, events)
+    checkpoint = train_draft(config, hidden, vocab_map, target, events)
+
+    assert checkpoint.step == 4 and checkpoint.layer_ids == hidden.layer_ids
+    assert {"val_top1_0", "val_acceptance_length", "initial_val_top1_0", "loss"} <= set(checkpoint.metrics)
+    export = checkpoint.path_of("export")
+    exported_config = json.loads((export / "config.json").read_text())
+    assert exported_config["eagle_aux_hidden_state_layer_ids"] == hidden.layer_ids
+    assert exported_config["draft_vocab_size"] == 300
+    assert exported_config["hidden_size"] == target.hidden_size
+    draft = Eagle3Draft.from_exported(export, target.root_path)
+    tokens, _ = draft.propose(DraftKVCache(), torch.randn(5, 3, target.hidden_size), torch.arange(5), 3)
+    assert bool(draft.t2d[tokens].all())
+    assert (checkpoint.root_path / "state" / "step-00000004.pt").exists()
+
+    again = train_draft(config, hidden, vocab_map, target, events)
+    assert again.digest == checkpoint.digest and events.count(CACHE_HIT, "training") == 1
+
+
+def test_a_vocab_map_from_other_samples_is_refused(tmp_path, tiny_llama, sample_set, smollm2_target) -> None:
+    config = make_config(tmp_path)
+    events = RunEvents(tmp_path)
+    hidden = extract_hidden_states(config, sample_set, tiny_llama, events)
+    other_samples = build_sample_set(tmp_path / "other", smollm2_target.root_path, num_ok=4)
+    other_config = make_config(tmp_path / "other-run")
+    stale = build_vocab_map(other_config, other_samples, tiny_llama, events)
+    with pytest.raises(StaleVocabMap):
+        train_draft(config, hidden, stale, tiny_llama, events)
