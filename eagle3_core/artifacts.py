@@ -196,6 +196,10 @@ class EvalReport(Manifest):
     acceptance_length: float = Field(0.0, description="Tokens per target verification step (measurement a).")
     per_position: list[float] = Field(default_factory=list, description="Acceptance rate per position (a).")
     speedup: float | None = Field(None, description="Output tokens/s with the drafter over without.")
+    tau_by_k: list[float] = Field(default_factory=list, description="(a): tau for k = 1, 2, ... (derived).")
+    vllm_acceptance_length: float | None = Field(None, description="Tokens per target step in vLLM (b).")
+    vllm_per_position: list[float] = Field(default_factory=list, description="Acceptance rate per position (b).")
+    guard_failure: str | None = Field(None, description="Why the acceptance guard failed; None if it passed.")
     measurements: dict[str, Any] = Field(
         default_factory=dict, description="Per prompt set and engine: tau, per-position rates, tokens/s."
     )

@@ -87,3 +87,43 @@ def extract_command(
     with rich_progress() as progress:
         hidden = extract_hidden_states(cfg, sample_set, target, events, progress=progress)
     console.print(hidden.model_dump_json(indent=2, exclude={"files"}), highlight=False, markup=False)
+
+
+@app.command("evaluate")
+def evaluate_command(
+    draft: Annotated[
+        Path | None, typer.Option("--draft", help="Draft checkpoint or export folder (default: <run_dir>/draft).")
+    ] = None,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+) -> None:
+    """Measure the draft's acceptance on held-out prompts, in transformers and in vLLM; writes
+    <run_dir>/eval/ (report.md, acceptance.png, eval_report.json). Exits 1 if the acceptance guard fails."""
+    from eagle3_core.artifacts import SampleSet
+    from eagle3_core.evaluation import evaluate_draft
+    from eagle3_core.evaluation.phase import checkpoint_of
+    from eagle3_core.evaluation.report import AcceptanceBelowFloor
+    from eagle3_core.progress import rich_progress
+    from eagle3_core.target import prepare_target
+
+    cfg = resolve_config(config, set_)
+    events = run_events(cfg)
+    checkpoint = checkpoint_of(draft or cfg.run_dir / "draft")
+    sample_dir = cfg.run_dir / "samples"
+    sample_set = SampleSet.load(sample_dir) if (sample_dir / f"{SampleSet.kind}.json").is_file() else None
+    if sample_set is None:
+        console.print(f"[yellow]no SampleSet in {sample_dir}: measuring HumanEval only[/yellow]")
+    target = prepare_target(cfg.target, events)
+    try:
+        with rich_progress() as progress:
+            report = evaluate_draft(cfg, checkpoint, target, sample_set, events, progress=progress)
+    except AcceptanceBelowFloor as exc:
+        console.print(f"[red]acceptance guard failed:[/red] {exc}", highlight=False, markup=False)
+        raise typer.Exit(1) from None
+    console.print(
+        f"tau (a) at k={report.num_speculative_tokens}: {report.acceptance_length:.3f}, per position "
+        f"{[round(r, 3) for r in report.per_position]}; (b) vLLM: {report.vllm_acceptance_length}; "
+        f"speedup at batch 1: {report.speedup}; report: {report.root_path / 'report.md'}",
+        highlight=False,
+        markup=False,
+    )

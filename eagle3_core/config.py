@@ -148,6 +148,16 @@ class EvaluationConfig(Section):
     with_vllm: bool = Field(True, description="Also measure acceptance inside vLLM (where it is installed).")
     concurrency: int = Field(4, ge=1, description="Concurrent requests of the vLLM throughput measurement.")
     acceptance_floor: float = Field(0.2, ge=0, le=1, description="Fail when position-0 acceptance falls below this.")
+    sweep_max_k: int = Field(
+        5, ge=1, description="Measurement (a) runs at max(k, this) and derives tau for every smaller k."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Target dtype of measurement (a); float32 makes it equal greedy bit for bit."
+    )
+    device: str = Field("auto", description="Torch device of measurement (a): auto, cpu, cuda, cuda:1.")
+    lossless_check_prompts: int = Field(
+        2, ge=0, description="Prompts per set whose (a) output is compared with plain greedy decoding."
+    )
 
 
 class PipelineConfig(Section):

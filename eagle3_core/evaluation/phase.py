@@ -1,0 +1,291 @@
+"""Phase 6, evaluate: measure the exported draft on held-out prompts with the real target, in
+transformers (a) and in vLLM (b), write `eval/report.md`, `eval/acceptance.png` and the `EvalReport`.
+
+Resumable: each measurement is saved (atomically) under a key over the config fields and upstream
+digests it depends on, per prompt set for (a), so a crash in (b) does not repeat (a) and a re-run with
+the same inputs is a cache hit. The guard runs last, after everything is written: a failing draft loses
+no measurement, and a re-run fails again from the saved numbers without measuring anything.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from eagle3_core.artifacts import ArtifactInvalid, DraftCheckpoint, EvalReport, SampleSet, TargetModel, record_files
+from eagle3_core.config import PipelineConfig
+from eagle3_core.evaluation.prompts import (
+    EvalPrompt,
+    check_no_overlap,
+    holdout_prompts,
+    humaneval_prompts,
+    training_prompts,
+)
+from eagle3_core.evaluation.report import AcceptanceBelowFloor, guard_message, position0, write_report
+from eagle3_core.evaluation.stats import AcceptanceStats
+from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
+from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
+
+PHASE = "evaluation"
+FORMAT_VERSION = 1
+SERVER_FIELDS_MEASURED = ("tensor_parallel_size", "max_model_len", "dtype", "enforce_eager", "extra_args", "env")
+
+
+def export_dir(checkpoint: DraftCheckpoint) -> Path:
+    """The vLLM-loadable folder of a checkpoint: `<root>/export/` (or the root itself if it is one)."""
+    for folder in (checkpoint.root_path / "export", checkpoint.root_path):
+        if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+            return folder
+    raise FileNotFoundError(f"{checkpoint.root}: no exported draft (export/config.json + model.safetensors)")
+
+
+def collect_prompts(config: PipelineConfig, sample_set: SampleSet | None) -> dict[str, list[EvalPrompt]]:
+    """The configured held-out prompt sets, after checking that no held-out prompt was trained on."""
+    evaluation, fraction = config.evaluation, config.sampling.holdout_fraction
+    sets: dict[str, list[EvalPrompt]] = {}
+    for name in evaluation.prompt_sets:
+        if name == "humaneval":
+            sets[name] = humaneval_prompts(evaluation.max_prompts)
+        elif sample_set is not None:
+            sets[name] = holdout_prompts(sample_set, fraction, evaluation.max_prompts)
+    sets = {name: prompts for name, prompts in sets.items() if prompts}
+    if not sets:
+        raise ValueError(f"no held-out prompts: prompt_sets={evaluation.prompt_sets}, holdout_fraction={fraction}")
+    if sample_set is not None:  # every held-out row, not only those measured: the split itself must be clean
+        heldout = holdout_prompts(sample_set, fraction) + sets.get("humaneval", [])
+        check_no_overlap(heldout, training_prompts(sample_set, fraction))
+    return sets
+
+
+def measurement_key(config: PipelineConfig, upstream: dict[str, str], prompts: dict[str, list[EvalPrompt]]) -> str:
+    """Digest of what the measurements depend on; not the guard's floor (a new floor re-judges saved numbers)."""
+    server = config.server.model_dump(mode="json", include=set(SERVER_FIELDS_MEASURED))
+    fields = {
+        "evaluation": config.evaluation.model_dump(mode="json", exclude={"acceptance_floor"}),
+        "holdout_fraction": config.sampling.holdout_fraction,
+        "server": server,
+        "prompts": {name: [p.id for p in ps] for name, ps in prompts.items()},
+    }
+    return sha256_json({"phase": PHASE, "version": FORMAT_VERSION, "config": fields, "upstream": upstream})
+
+
+def load_saved(path: Path, key: str) -> dict[str, Any] | None:
+    """A measurement saved under `key`, or None (absent, unreadable or made from other inputs)."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return saved["result"] if saved.get("key") == key else None
+
+
+def save(path: Path, key: str, result: dict[str, Any]) -> None:
+    write_text_atomic(path, json.dumps({"key": key, "result": result}, indent=1))
+
+
+def run_transformers(
+    config: PipelineConfig,
+    target: TargetModel,
+    draft_dir: Path,
+    prompts: dict[str, list[EvalPrompt]],
+    key: str,
+    eval_dir: Path,
+    events: RunEvents,
+    progress: ProgressCallback,
+) -> dict[str, Any]:
+    """Measurement (a) per prompt set (saved as each set finishes) plus the pooled `all`."""
+    from eagle3_core.evaluation.speculative import measure_prompt_set, pool_prompt_sets
+
+    evaluation = config.evaluation
+    k = max(evaluation.num_speculative_tokens, evaluation.sweep_max_k)
+    sets: dict[str, dict[str, Any]] = {}
+    for name in prompts:
+        if (saved := load_saved(eval_dir / f"transformers-{name}.json", key)) is not None:
+            events.record(PHASE, RESUME, f"measurement (a) on {name} already done", prompt_set=name)
+            sets[name] = saved
+    todo = [name for name in prompts if name not in sets]
+    if todo:
+        model, tokenizer, draft = load_models(config, target, draft_dir, events)
+        for name in todo:
+
+            def report(done: int, name: str = name) -> None:
+                progress(ProgressUpdate(phase=PHASE, stage=f"(a) transformers, {name}", done=done,
+                                        total=len(prompts[name]), unit="prompts"))  # fmt: skip
+
+            sets[name] = measure_prompt_set(
+                model, tokenizer, draft, prompts[name], k, evaluation.max_new_tokens,
+                evaluation.lossless_check_prompts, report,
+            )  # fmt: skip
+            save(eval_dir / f"transformers-{name}.json", key, sets[name])
+        del model, draft
+    if len(sets) > 1:
+        sets["all"] = pool_prompt_sets(sets)
+    return {"k": k, "dtype": evaluation.dtype, "sets": sets}
+
+
+def load_models(config: PipelineConfig, target: TargetModel, draft_dir: Path, events: RunEvents):
+    """The target (a full weight load, recorded), its tokenizer, and the exported draft on one device."""
+    from transformers import AutoTokenizer
+
+    from eagle3_core.draft import Eagle3Draft
+    from eagle3_core.evaluation.speculative import load_target, resolve_device
+
+    device = resolve_device(config.evaluation.device)
+    with events.weight_load(PHASE, f"{target.name} (transformers, {config.evaluation.dtype}, {device})"):
+        model = load_target(target.root_path, config.evaluation.dtype, device)
+    draft = Eagle3Draft.from_exported(draft_dir, target.root_path).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(target.root_path), draft
+
+
+def vllm_unavailable(config: PipelineConfig) -> str | None:
+    """Why measurement (b) cannot run here, or None."""
+    import importlib.util
+
+    if not config.evaluation.with_vllm:
+        return "evaluation.with_vllm is false"
+    if config.server.engine != "vllm":
+        return "server.engine is external: a server that this phase cannot restart with the draft"
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed"
+    return None
+
+
+def run_vllm(
+    config: PipelineConfig,
+    target: TargetModel,
+    draft_dir: Path,
+    prompts: dict[str, list[EvalPrompt]],
+    key: str,
+    eval_dir: Path,
+    events: RunEvents,
+    progress: ProgressCallback,
+) -> dict[str, Any]:
+    from eagle3_core.evaluation.vllm_measure import measure_vllm
+
+    if (reason := vllm_unavailable(config)) is not None:
+        events.record(PHASE, DECISION, f"measurement (b) skipped: {reason}")
+        return {"skipped": reason}
+    path = eval_dir / "vllm.json"
+    if (saved := load_saved(path, key)) is not None:
+        events.record(PHASE, RESUME, "measurement (b) already done")
+        return saved
+    result = measure_vllm(config, target.root_path, draft_dir, prompts, events, progress)
+    save(path, key, result)
+    return result
+
+
+def headline(measurement: dict[str, Any], k: int) -> AcceptanceStats | None:
+    """Pooled acceptance of a measurement, cut to the configured k."""
+    sets = measurement.get("sets") or {}
+    pooled = sets.get("all") or next(iter(sets.values()), None)
+    if pooled is None:
+        return None
+    return AcceptanceStats.from_json(pooled["acceptance"]).truncated(k)
+
+
+def evaluate_draft(
+    config: PipelineConfig,
+    checkpoint: DraftCheckpoint,
+    target: TargetModel,
+    sample_set: SampleSet | None,
+    events: RunEvents,
+    progress: ProgressCallback = ignore_progress,
+) -> EvalReport:
+    """Measure, report, then guard: raises `AcceptanceBelowFloor` (after writing everything) when the
+    pooled position-0 acceptance of (a) or (b) is below `evaluation.acceptance_floor`.
+    `sample_set` None measures HumanEval only (no project prompts, nothing to check overlap against)."""
+    eval_dir = Path(config.run_dir) / "eval"
+    draft_dir = export_dir(checkpoint)
+    upstream = {"draft_checkpoint": checkpoint.digest, "target_model": target.digest}
+    if sample_set is not None:
+        upstream["sample_set"] = sample_set.digest
+    prompts = collect_prompts(config, sample_set)
+    key = measurement_key(config, upstream, prompts)
+    existing = cached_report(eval_dir, key, config.evaluation.acceptance_floor)
+    if existing is not None:
+        events.record(PHASE, CACHE_HIT, f"evaluation of {draft_dir} already done", path=str(eval_dir))
+        return guard(existing)
+    transformers = run_transformers(config, target, draft_dir, prompts, key, eval_dir, events, progress)
+    vllm = run_vllm(config, target, draft_dir, prompts, key, eval_dir, events, progress)
+    report = build_report(config, target, draft_dir, transformers, vllm, checkpoint, eval_dir, key, upstream)
+    report.save()
+    return guard(report)
+
+
+def build_report(
+    config: PipelineConfig,
+    target: TargetModel,
+    draft_dir: Path,
+    transformers: dict[str, Any],
+    vllm: dict[str, Any],
+    checkpoint: DraftCheckpoint,
+    eval_dir: Path,
+    key: str,
+    upstream: dict[str, str],
+) -> EvalReport:
+    evaluation, k = config.evaluation, config.evaluation.num_speculative_tokens
+    hf_stats, vllm_stats = headline(transformers, k), headline(vllm, k)
+    draft_ids = json.loads((draft_dir / "config.json").read_text()).get("eagle_aux_hidden_state_layer_ids")
+    failure = guard_message(
+        position0(hf_stats.to_json() if hf_stats else None),
+        position0(vllm_stats.to_json() if vllm_stats else None),
+        evaluation.acceptance_floor,
+        {"draft config layer ids": draft_ids, "checkpoint layer ids": checkpoint.layer_ids},
+    )
+    summary = {
+        "draft": str(draft_dir), "target": target.name, "k": k, "max_new_tokens": evaluation.max_new_tokens,
+        "floor": evaluation.acceptance_floor, "guard": failure, "transformers": transformers, "vllm": vllm,
+    }  # fmt: skip
+    paths = write_report(summary, eval_dir)
+    measurement_files = sorted(eval_dir.glob("transformers-*.json")) + sorted(eval_dir.glob("vllm.json"))
+    vllm_all = (vllm.get("sets") or {}).get("all", {})
+    return EvalReport(
+        root=str(eval_dir),
+        files=record_files(eval_dir, paths + measurement_files),
+        config={"key": key, "evaluation": evaluation.model_dump(mode="json")},
+        upstream=upstream,
+        num_speculative_tokens=k,
+        acceptance_length=hf_stats.acceptance_length if hf_stats else 0.0,
+        per_position=hf_stats.per_position if hf_stats else [],
+        speedup=vllm_all.get("batch1", {}).get("speedup"),
+        tau_by_k=(transformers["sets"].get("all") or next(iter(transformers["sets"].values())))["tau_by_k"],
+        vllm_acceptance_length=vllm_stats.acceptance_length if vllm_stats else None,
+        vllm_per_position=vllm_stats.per_position if vllm_stats else [],
+        guard_failure=failure,
+        measurements={"transformers": transformers, "vllm": vllm},
+    )
+
+
+def cached_report(eval_dir: Path, key: str, floor: float) -> EvalReport | None:
+    """The saved report of the same inputs and floor with all its files intact, or None."""
+    path = eval_dir / f"{EvalReport.kind}.json"
+    if not path.exists():
+        return None
+    try:
+        report = EvalReport.load(path)
+        report.validate()
+    except (ArtifactInvalid, ValueError, OSError):
+        return None
+    same_floor = report.config.get("evaluation", {}).get("acceptance_floor") == floor
+    return report if report.config.get("key") == key and same_floor else None
+
+
+def guard(report: EvalReport) -> EvalReport:
+    if report.guard_failure:
+        raise AcceptanceBelowFloor(f"{report.guard_failure}\nreport: {report.root_path / 'report.md'}")
+    return report
+
+
+def checkpoint_of(folder: Path) -> DraftCheckpoint:
+    """The DraftCheckpoint of a training run's draft folder, or one describing a bare export folder
+    (config.json + model.safetensors written by `export_draft` or by another tool)."""
+    folder = Path(folder)
+    if (folder / f"{DraftCheckpoint.kind}.json").is_file():
+        return DraftCheckpoint.load(folder)
+    paths = [folder / "config.json", folder / "model.safetensors"]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{folder}: neither a draft checkpoint nor an export folder (missing {missing})")
+    layer_ids = json.loads(paths[0].read_text()).get("eagle_aux_hidden_state_layer_ids") or []
+    return DraftCheckpoint(root=str(folder.resolve()), files=record_files(folder, paths), layer_ids=layer_ids)

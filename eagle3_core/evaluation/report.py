@@ -1,0 +1,185 @@
+"""The evaluation's human-readable output: a markdown report and a PNG plot in `eval/`, and the guard
+that fails a run whose draft is not accepted.
+
+Both measurements sit side by side everywhere: if the transformers loop (a) accepts and vLLM (b) does not,
+the fault is in how the engine loads or feeds the draft; if both fail, it is the draft or its data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eagle3_core.evaluation.stats import AcceptanceStats
+from eagle3_core.files import atomic_path, write_text_atomic
+
+LIKELY_CAUSES = (
+    "aux layer ids: the draft's `eagle_aux_hidden_state_layer_ids` must equal the ids the hidden states were "
+    "extracted at (vLLM convention, = transformers output_hidden_states[i]); off by one feeds the draft "
+    "states it never saw",
+    "weight names: vLLM loads `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t` without a `model.` prefix; a "
+    "misnamed tensor stays at its random initialisation (look for 'not loaded' warnings in the server log)",
+    "d2t offsets: target id = draft id + d2t[draft id]; absolute ids or a reversed map turn every proposal "
+    "into a wrong token",
+    "chat template: prompts rendered with another template (or none) at sampling, extraction or evaluation "
+    "put the draft off the distribution it was trained on",
+)
+
+
+class AcceptanceBelowFloor(RuntimeError):
+    """Position-0 acceptance below `evaluation.acceptance_floor`; the report was written before raising."""
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def position0(acceptance: dict[str, Any] | None) -> float | None:
+    """Position-0 acceptance rate of a serialised `AcceptanceStats`, or None."""
+    if not acceptance or not acceptance.get("drafts"):
+        return None
+    return AcceptanceStats.from_json(acceptance).per_position[0]
+
+
+def guard_message(
+    hf_rate0: float | None, vllm_rate0: float | None, floor: float, layer_ids: dict[str, Any]
+) -> str | None:
+    """The failure text when a measured position-0 acceptance is below `floor`, else None."""
+    low = [r for r in (hf_rate0, vllm_rate0) if r is not None and r < floor]
+    if not low:
+        return None
+    lines = [
+        f"position-0 acceptance below acceptance_floor={floor}: transformers (a) {fmt(hf_rate0)}, "
+        f"vLLM (b) {fmt(vllm_rate0)}",
+        "  " + ", ".join(f"{name}={ids}" for name, ids in layer_ids.items()),
+    ]
+    if hf_rate0 is not None and vllm_rate0 is not None and (hf_rate0 >= floor) != (vllm_rate0 >= floor):
+        lines.append("  (a) and (b) disagree: the mismatch is engine-side (how vLLM loads or feeds the draft)")
+    lines.append("likely causes:")
+    lines += [f"  - {cause}" for cause in LIKELY_CAUSES]
+    return "\n".join(lines)
+
+
+def _rates(acceptance: dict[str, Any] | None) -> list[float]:
+    return AcceptanceStats.from_json(acceptance).per_position if acceptance and acceptance["drafts"] else []
+
+
+def _tau(acceptance: dict[str, Any] | None) -> float | None:
+    return AcceptanceStats.from_json(acceptance).acceptance_length if acceptance and acceptance["drafts"] else None
+
+
+def guard_lines(summary: dict[str, Any]) -> list[str]:
+    if not summary["guard"]:
+        return [f"**Guard**: passed (position-0 acceptance ≥ {summary['floor']})"]
+    return ["**Guard: FAILED**", "", "```", summary["guard"], "```"]
+
+
+def markdown_report(summary: dict[str, Any]) -> str:
+    """The report as markdown, from the evaluation summary (see `evaluate_draft`)."""
+    hf, vllm, k = summary["transformers"], summary.get("vllm") or {}, summary["k"]
+    lines = [
+        f"# EAGLE-3 draft evaluation: {summary['draft']}",
+        "",
+        f"Target `{summary['target']}`; k = {k} draft tokens per step; greedy; "
+        f"{summary['max_new_tokens']} new tokens per prompt. (a) chain speculative decoding in transformers "
+        f"({hf['dtype']}), run at k = {hf['k']}; (b) vLLM, served with method eagle3 at k = {k}.",
+        "",
+        *guard_lines(summary),
+        "",
+        "## Acceptance length τ (tokens per target step, bonus token included)",
+        "",
+        f"| prompt set | prompts | (a) τ at k={k} | (a) τ at k={hf['k']} | (b) vLLM τ at k={k} | "
+        "(b) speedup batch 1 | (b) speedup concurrent |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, a in hf["sets"].items():
+        b = vllm.get("sets", {}).get(name, {})
+        lines.append(
+            f"| {name} | {a['prompts']} | {fmt(a['tau_by_k'][k - 1])} | {fmt(_tau(a['acceptance']))} | "
+            f"{fmt(_tau(b.get('acceptance')))} | {fmt(b.get('batch1', {}).get('speedup'), 2)} | "
+            f"{fmt(b.get('concurrent', {}).get('speedup'), 2)} |"
+        )
+    lines += ["", "## Per-position acceptance (share of steps accepted up to and including position i)", ""]
+    positions = max(hf["k"], k)
+    lines += [
+        "| prompt set | engine | " + " | ".join(f"pos {i}" for i in range(positions)) + " |",
+        "|---|---|" + "---|" * positions,
+    ]
+    for name, a in hf["sets"].items():
+        for engine, rates in (("(a) transformers", _rates(a["acceptance"])),
+                              ("(b) vLLM", _rates(vllm.get("sets", {}).get(name, {}).get("acceptance")))):  # fmt: skip
+            cells = [fmt(rates[i]) if i < len(rates) else "—" for i in range(positions)]
+            lines.append(f"| {name} | {engine} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"## τ by k, derived from (a) at k={hf['k']}",
+        "",
+        "τ(k) = 1 + Σ_{i<k} rate_i: a chain of k accepts the prefix a longer chain accepts, cut at k.",
+        "",
+        "| prompt set | " + " | ".join(f"k={j}" for j in range(1, hf["k"] + 1)) + " |",
+        "|---|" + "---|" * hf["k"],
+    ]
+    lines += [f"| {n} | " + " | ".join(fmt(t) for t in a["tau_by_k"]) + " |" for n, a in hf["sets"].items()]
+    lines += [
+        "",
+        "## Time",
+        "",
+        "| prompt set | (a) draft time share | (a) target time share | (a) tokens | (a) = greedy | "
+        "(b) tok/s batch 1 draft / plain | (b) tok/s concurrent draft / plain | (b) draft = plain |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, a in hf["sets"].items():
+        b = vllm.get("sets", {}).get(name, {})
+        rates = [b.get(mode, {}).get(who, {}).get("tokens_per_s") for mode in ("batch1", "concurrent")
+                 for who in ("draft", "plain")]  # fmt: skip
+        lines.append(
+            f"| {name} | {fmt(a['draft_share'], 2)} | {fmt(a['target_share'], 2)} | {a['tokens']} | "
+            f"{a['identical_to_greedy']} | {fmt(rates[0], 1)} / {fmt(rates[1], 1)} | "
+            f"{fmt(rates[2], 1)} / {fmt(rates[3], 1)} | {b.get('identical_outputs', '—')} |"
+        )
+    if vllm.get("skipped"):
+        lines += ["", f"(b) not measured: {vllm['skipped']}"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(summary: dict[str, Any], path: Path) -> Path:
+    """PNG: per-position acceptance of (a) and (b), and τ against k (derived from (a); (b) at its k)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hf, vllm, k = summary["transformers"], summary.get("vllm") or {}, summary["k"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(hf["sets"])
+    width = 0.8 / max(2 * len(names), 1)
+    for index, name in enumerate(names):
+        series = (("(a)", _rates(hf["sets"][name]["acceptance"])),
+                  ("(b) vLLM", _rates(vllm.get("sets", {}).get(name, {}).get("acceptance"))))  # fmt: skip
+        for offset, (engine, rates) in enumerate(series):
+            if rates:
+                xs = [i + (2 * index + offset) * width - 0.4 for i in range(len(rates))]
+                left.bar(xs, rates, width, align="edge", label=f"{name} {engine}")
+        right.plot(range(1, hf["k"] + 1), hf["sets"][name]["tau_by_k"], marker="o", label=f"{name} (a) derived")
+        vllm_tau = _tau(vllm.get("sets", {}).get(name, {}).get("acceptance"))
+        if vllm_tau is not None:
+            right.plot([k], [vllm_tau], marker="s", linestyle="none", label=f"{name} (b) vLLM")
+    left.set(title="Acceptance per draft position", xlabel="position", ylabel="rate", ylim=(0, 1))
+    left.set_xticks(range(max(hf["k"], k)))
+    right.set(title="Acceptance length τ by k", xlabel="k (draft tokens per step)", ylabel="τ")
+    right.set_xticks(range(1, hf["k"] + 1))
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_report(summary: dict[str, Any], eval_dir: Path) -> list[Path]:
+    """Write `report.md` and `acceptance.png` atomically; returns both paths."""
+    markdown = eval_dir / "report.md"
+    write_text_atomic(markdown, markdown_report(summary))
+    return [markdown, plot_report(summary, eval_dir / "acceptance.png")]

@@ -1,0 +1,108 @@
+"""Measurement (a): chain speculative decoding in transformers is lossless (equals plain greedy, fp32),
+counts acceptance per position exactly, and feeds the draft the target's aux states of every verified
+position."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3_core.artifacts import TargetModel
+from eagle3_core.draft import DraftConfig, DraftKVCache
+from eagle3_core.evaluation.speculative import (
+    eos_token_ids,
+    greedy_generate,
+    load_target,
+    render_prompt,
+    speculative_generate,
+)
+from eagle3_core.models import default_aux_layer_ids
+from tests.evaluation_fixtures import random_draft, varied_tiny_target
+
+MESSAGES = [
+    [{"role": "user", "content": "Write a Python function that reverses a string."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama: TargetModel, tmp_path_factory: pytest.TempPathFactory):
+    from transformers import AutoTokenizer
+
+    target = varied_tiny_target(tiny_llama, tmp_path_factory.mktemp("varied") / "tiny")
+    model = load_target(target.root_path, "float32", torch.device("cpu"))
+    return model, AutoTokenizer.from_pretrained(target.root_path), target
+
+
+class OracleDraft:
+    """A stand-in draft that knows the greedy continuation and corrupts chosen positions, so every step's
+    accepted count is known in advance. It records what the loop feeds it (states and next tokens)."""
+
+    def __init__(self, layer_ids: list[int], reference: list[int], k: int, seed: int):
+        self.config = DraftConfig(8, 8, 1, 1, 8, 1, 1, layer_ids)
+        self.reference, self.k = reference, k
+        self.rng = torch.Generator().manual_seed(seed)
+        self.fed_aux: list[torch.Tensor] = []
+        self.fed_ids: list[int] = []
+        self.expected_accepts: list[int] = []
+
+    def propose(self, cache: DraftKVCache, aux: torch.Tensor, next_ids: torch.Tensor, num_tokens: int):
+        assert num_tokens == self.k and aux.shape[0] == next_ids.shape[0]
+        self.fed_aux.append(aux)
+        self.fed_ids += next_ids.tolist()
+        verified = len(self.fed_ids)  # entry p reads (state p, token p+1) and predicts token p+2
+        truth = self.reference[verified + 1 : verified + 1 + num_tokens]
+        wrong_at = int(torch.randint(0, num_tokens + 1, (1,), generator=self.rng))
+        proposal = [t if i < wrong_at else (t + 1) % 1000 + 3 for i, t in enumerate(truth)]
+        self.expected_accepts.append(wrong_at)
+        return torch.tensor(proposal), None
+
+
+def test_oracle_draft_acceptance_is_counted_exactly_and_fed_states_match_a_full_forward(tiny) -> None:
+    model, tokenizer, target = tiny
+    eos = eos_token_ids(model, tokenizer)
+    prompt = render_prompt(tokenizer, MESSAGES[0])
+    k, new_tokens = 4, 40
+    reference = greedy_generate(model, prompt, new_tokens + k + 2, set())  # long enough for every proposal
+    layer_ids = default_aux_layer_ids(target.num_layers)
+    oracle = OracleDraft(layer_ids, prompt + reference, k, seed=1)
+    result = speculative_generate(model, oracle, prompt, new_tokens, k, set())
+
+    assert result.tokens == reference[:new_tokens]
+    assert len(set(result.tokens)) > new_tokens // 2  # a varied text, not one token repeated
+    assert result.tokens == greedy_generate(model, prompt, new_tokens, eos)[: len(result.tokens)]
+    assert result.stats.drafts == len(oracle.expected_accepts)
+    expected = [sum(a > i for a in oracle.expected_accepts) for i in range(k)]
+    assert result.stats.accepted == expected
+    assert expected[0] > 0 and expected[-1] < result.stats.drafts  # both paths were taken
+
+    # The states the draft saw are the target's output_hidden_states at the aux ids, position by position.
+    fed = torch.cat(oracle.fed_aux)  # [L, 3, H]
+    full = torch.tensor([prompt + result.tokens])
+    with torch.no_grad():
+        hidden = model(input_ids=full, output_hidden_states=True).hidden_states
+    expected_aux = torch.stack([hidden[i][0, : fed.shape[0]] for i in layer_ids], dim=1)
+    torch.testing.assert_close(fed, expected_aux, rtol=1e-4, atol=1e-4)
+    assert oracle.fed_ids == full[0, 1 : len(oracle.fed_ids) + 1].tolist()
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_random_draft_output_equals_greedy(tiny, k: int) -> None:
+    model, tokenizer, target = tiny
+    draft = random_draft(target)
+    eos = eos_token_ids(model, tokenizer)
+    for messages in MESSAGES:
+        prompt = render_prompt(tokenizer, messages)
+        result = speculative_generate(model, draft, prompt, 24, k, eos)
+        assert result.tokens == greedy_generate(model, prompt, 24, eos)
+        assert result.stats.k == k and result.stats.drafts >= 1
+        assert result.timer.seconds["draft"] > 0 and result.timer.seconds["target"] > 0
+
+
+def test_generation_stops_at_end_of_sequence(tiny) -> None:
+    model, tokenizer, target = tiny
+    prompt = render_prompt(tokenizer, MESSAGES[1])
+    reference = greedy_generate(model, prompt, 30, set())
+    stop = reference[5]  # pretend the sixth generated token ends the sequence
+    result = speculative_generate(model, random_draft(target), prompt, 30, 3, {stop})
+    assert result.tokens == reference[: reference.index(stop) + 1]
