@@ -125,12 +125,19 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        batch, length, _ = x.shape  # x [B, T, 2H]
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, 2H] -> q [B, Hq, T, D], k, v [B, Hkv, T, D], rotary applied to q and k."""
+        batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        out = attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)  # [B, Hq, T, D]
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """out [B, Hq, T, D] -> [B, T, H]."""
+        batch, _, length, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
 
 
@@ -155,14 +162,27 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DraftMLP(config)
+        self.rope_theta = config.rope_theta
+
+    def attention_inputs(
+        self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden, embeds [B, T, H], positions [B, T] -> q, k, v of [norm(embeds); norm(hidden)]."""
+        cos, sin = rotary_cos_sin(positions, self.self_attn.head_dim, self.rope_theta)
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        return self.self_attn.project(x, cos, sin)
+
+    def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Residual + o_proj, then the MLP block: the pre-norm output [B, T, H]."""
+        hidden = hidden + self.self_attn.output(attended)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
     def forward(
-        self, hidden: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+        self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
         """hidden, embeds [B, T, H] -> pre-norm output [B, T, H] (the state fed to the next draft step)."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-        hidden = hidden + self.self_attn(x, cos, sin, attend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        q, k, v = self.attention_inputs(hidden, embeds, positions)
+        return self.finish(hidden, attend(q, k, v))
 
 
 @dataclass
@@ -213,11 +233,21 @@ class Eagle3Draft(nn.Module):
     def layer(
         self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        return self.midlayer(hidden, embeds, cos, sin, attend)
+        return self.midlayer(hidden, embeds, positions, attend)
+
+    def compile_blocks(self) -> None:
+        """torch.compile the layer's dense blocks around attention (norms, projections, rotary, MLP):
+        fuses their elementwise work; attention is compiled on its own (flex) and stays outside."""
+        self.midlayer.attention_inputs = torch.compile(self.midlayer.attention_inputs)
+        self.midlayer.finish = torch.compile(self.midlayer.finish)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def set_embeddings(self, weight: torch.Tensor) -> None:
+        """Frozen target embeddings, kept in their stored dtype (bf16: half the memory of fp32, same values;
+        the input norm computes in fp32)."""
+        self.embed_tokens.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.d2t.copy_(d2t)
@@ -312,7 +342,7 @@ class Eagle3Draft(nn.Module):
         tensors = load_target_tensors(target_dir, ["embed_tokens", "norm", "lm_head"])
         draft = cls(config)
         with torch.no_grad():
-            draft.embed_tokens.weight = nn.Parameter(tensors["embed_tokens"].float(), requires_grad=False)
+            draft.set_embeddings(tensors["embed_tokens"])
             draft.lm_head.weight.copy_(tensors["lm_head"][t2d].float())
             draft.norm.weight.copy_(tensors["norm"].float())
         draft.set_vocab(d2t, t2d)
@@ -329,17 +359,17 @@ class Eagle3Draft(nn.Module):
         path = Path(path)
         draft = cls(config_from_hf(json.loads((path / "config.json").read_text())))
         weights = load_file(path / "model.safetensors")
-        if "embed_tokens.weight" not in weights:
+        embeddings = weights.pop("embed_tokens.weight", None)
+        if embeddings is None:
             if target_dir is None:
                 raise ValueError(f"{path}: no embed_tokens in the export; pass the target's folder")
             from eagle3_core.models import load_target_tensors
 
-            weights["embed_tokens.weight"] = load_target_tensors(target_dir, ["embed_tokens"])["embed_tokens"]
-        state = {
-            name: tensor.to(torch.float32) if tensor.is_floating_point() else tensor for name, tensor in weights.items()
-        }
-        draft.load_state_dict(state, strict=True)
-        draft.embed_tokens.weight.requires_grad_(False)
+            embeddings = load_target_tensors(target_dir, ["embed_tokens"])["embed_tokens"]
+        missing, unexpected = draft.load_state_dict(weights, strict=False)
+        if missing != ["embed_tokens.weight"] or unexpected:
+            raise ValueError(f"{path}: tensors missing {missing} or unexpected {unexpected}")
+        draft.set_embeddings(embeddings)
         return draft
 
 

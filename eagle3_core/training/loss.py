@@ -14,6 +14,7 @@ Imports only torch (the GPU benchmark uses it without pydantic).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,30 +26,41 @@ from eagle3_core.draft import Eagle3Draft
 LOSS_CHUNK_ROWS = 4096
 
 
+def soft_ce_chunk(
+    logits: torch.Tensor, target_probs: torch.Tensor, row_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk: logits [C, Vd] (compute dtype), target_probs [C, Vd], row_weights [C] ->
+    (weighted CE sum, d loss / d logits [C, Vd] in the logits' dtype, draft argmax [C]). Elementwise only,
+    so torch.compile fuses it into one or two passes over the chunk."""
+    accumulate = torch.promote_types(target_probs.dtype, torch.float32)
+    log_probs = torch.log_softmax(logits.to(accumulate), dim=-1)
+    weights = row_weights[:, None].to(accumulate)
+    loss = -(weights * target_probs * log_probs).sum()
+    grad_logits = ((log_probs.exp() - target_probs) * weights).to(logits.dtype)
+    return loss, grad_logits, log_probs.argmax(-1)
+
+
 class _FusedSoftCrossEntropy(torch.autograd.Function):
-    """sum_n row_weight[n] * CE(softmax(target[n]), log_softmax(hidden[n] @ weight.T)), plus the draft's
-    argmax per row (no gradient)."""
+    """sum_n row_weight[n] * CE(target_probs[n], log_softmax(hidden[n] @ weight.T)), plus the draft's
+    argmax per row (no gradient). Gradients are formed during forward, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target_logits, row_weights, compute_dtype, chunk):
+    def forward(ctx, hidden, weight, target_probs, row_weights, compute_dtype, chunk, chunk_fn):
         grad_hidden = torch.empty_like(hidden)  # [N, H]
         grad_weight = torch.zeros_like(weight)  # [Vd, H]
-        accumulate = torch.promote_types(hidden.dtype, torch.float32)  # fp32, or fp64 in exactness tests
-        loss = hidden.new_zeros((), dtype=accumulate)
+        loss = hidden.new_zeros((), dtype=torch.promote_types(target_probs.dtype, torch.float32))
         draft_top1 = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
         weight_c = weight.to(compute_dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk):
                 rows = slice(start, start + chunk)
                 h = hidden[rows].to(compute_dtype)  # [C, H]
-                log_probs = torch.log_softmax((h @ weight_c.T).to(accumulate), dim=-1)  # [C, Vd]
-                target_probs = torch.softmax(target_logits[rows].to(accumulate), dim=-1)  # [C, Vd]
-                w = row_weights[rows, None]  # [C, 1]
-                loss -= (w * target_probs * log_probs).sum()
-                grad_logits = ((log_probs.exp() - target_probs) * w).to(compute_dtype)  # [C, Vd]
+                chunk_loss, grad_logits, draft_top1[rows] = chunk_fn(
+                    h @ weight_c.T, target_probs[rows], row_weights[rows]
+                )
+                loss += chunk_loss
                 grad_hidden[rows] = (grad_logits @ weight_c).to(hidden.dtype)
                 grad_weight += (grad_logits.T @ h).to(weight.dtype)
-                draft_top1[rows] = log_probs.argmax(-1)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.mark_non_differentiable(draft_top1)
         return loss, draft_top1
@@ -56,21 +68,22 @@ class _FusedSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_top1):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None, None
 
 
 def fused_soft_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    target_logits: torch.Tensor,
+    target_probs: torch.Tensor,
     row_weights: torch.Tensor,
     compute_dtype: torch.dtype | None = None,
     chunk: int = LOSS_CHUNK_ROWS,
+    chunk_fn: Callable = soft_ce_chunk,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [N, H] (normed draft states), weight [Vd, H] (lm_head), target_logits [N, Vd], row_weights
+    """hidden [N, H] (normed draft states), weight [Vd, H] (lm_head), target_probs [N, Vd], row_weights
     [N] -> (weighted loss sum, draft argmax [N]). Matmuls run in `compute_dtype` (bf16 on GPU)."""
     dtype = compute_dtype or hidden.dtype
-    return _FusedSoftCrossEntropy.apply(hidden, weight, target_logits, row_weights, dtype, chunk)
+    return _FusedSoftCrossEntropy.apply(hidden, weight, target_probs, row_weights, dtype, chunk, chunk_fn)
 
 
 def step_valid(loss_mask: torch.Tensor, document_ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -144,6 +157,12 @@ class TTTObjective(nn.Module):
     def __init__(self, draft: Eagle3Draft, ttt_steps: int, step_weight: float, attention: str = "auto"):
         super().__init__()
         self.draft, self.ttt_steps, self.step_weight, self.attention = draft, ttt_steps, step_weight, attention
+        self.chunk_fn: Callable = soft_ce_chunk
+
+    def compile(self) -> None:  # type: ignore[override]
+        """torch.compile the draft's dense blocks and the loss chunk (GPU; flex attention is always compiled)."""
+        self.draft.compile_blocks()
+        self.chunk_fn = torch.compile(soft_ce_chunk, dynamic=True)
 
     def forward(self, batch: dict[str, torch.Tensor], head: TargetHead, exact_top1: bool = False):
         states = self.draft(
@@ -156,6 +175,7 @@ class TTTObjective(nn.Module):
         )  # K x [B, T, H]
         target_logits = head.logits(batch["last"])  # [B, T, Vd], once per batch
         target_top1 = head.full_top1(batch["last"]) if exact_top1 else head.draft_to_target(target_logits.argmax(-1))
+        target_probs = torch.softmax(target_logits.float(), dim=-1)  # shared by every step
         compute_dtype = torch.bfloat16 if states[0].is_cuda else torch.float32
         loss = states[0].new_zeros((), dtype=torch.float32)
         stats, agree, valid_all = [], [], []
@@ -167,7 +187,12 @@ class TTTObjective(nn.Module):
             hidden = self.draft.norm(state[rows])  # [N, H]
             row_weight = torch.full_like(hidden[:, 0], self.step_weight**step) / count.clamp(min=1)
             step_loss, draft_top1 = fused_soft_cross_entropy(
-                hidden, self.draft.lm_head.weight, target_logits[target_rows], row_weight, compute_dtype
+                hidden,
+                self.draft.lm_head.weight,
+                target_probs[target_rows],
+                row_weight,
+                compute_dtype,
+                chunk_fn=self.chunk_fn,
             )
             loss = loss + step_loss
             hit = torch.zeros_like(valid)

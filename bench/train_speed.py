@@ -1,0 +1,213 @@
+"""EAGLE-3 draft training throughput on one GPU, against speculators 0.9.0 (shared/ANCHORS.md).
+
+Draft of a Llama-3.1-8B-shaped target (hidden 4096, 32 heads, 8 kv heads, intermediate 14336, aux layers
+[2, 16, 29], vocabulary 128256 mapped to 32000), random inputs, one packed sequence per step, bf16
+autocast, fp32 master weights, fused AdamW, gradient clipping: the real `TTTObjective` of training.
+
+Imports only torch (+ safetensors through eagle3_core.draft): the GPU machine has no pydantic.
+Run from the repository root:  PYTHONPATH=. python bench/train_speed.py [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+
+import torch
+
+from eagle3_core.draft import DraftConfig, Eagle3Draft
+from eagle3_core.training.attention import (
+    document_block_mask,
+    document_causal_mask,
+    ttt_attention_eager,
+    ttt_attention_flex,
+)
+from eagle3_core.training.loss import TargetHead, TTTObjective
+
+# speculators 0.9.0, AdamW, one H200 (shared/ANCHORS.md), tokens/s.
+SPECULATORS = {(2048, 7): 20_724, (4096, 3): 56_550, (2048, 3): 43_864, (4096, 7): 25_010}
+GOAL_RATIO = 1.5
+
+
+def llama8b_draft_config() -> DraftConfig:
+    return DraftConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        draft_vocab_size=32000,
+        aux_layer_ids=[2, 16, 29],
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+    )
+
+
+def check_flex_attention(device: torch.device) -> float:
+    """Relative error of flex (LSE-merged) TTT attention against the eager path, output and gradients."""
+    torch.manual_seed(0)
+    batch, heads, kv_heads, length, dim, steps = 1, 8, 2, 384, 64, 3
+    document_ids = torch.cat([torch.zeros(200), torch.ones(184)]).long()[None].to(device)
+    q = torch.randn(batch, heads, length, dim, device=device, requires_grad=True)
+    keys = [torch.randn(batch, kv_heads, length, dim, device=device, requires_grad=True) for _ in range(steps)]
+    values = [torch.randn(batch, kv_heads, length, dim, device=device, requires_grad=True) for _ in range(steps)]
+    grad_out = torch.randn(batch, heads, length, dim, device=device)
+    results = []
+    for attend, mask in (
+        (ttt_attention_flex, document_block_mask(document_ids)),
+        (ttt_attention_eager, document_causal_mask(document_ids)),
+    ):
+        out = attend(q, keys, values, mask)
+        grads = torch.autograd.grad(out, [q, *keys, *values], grad_out)
+        results.append([out, *grads])
+    return max(float((a - b).norm() / b.norm()) for a, b in zip(*results, strict=True))
+
+
+def build(config: DraftConfig, ttt_steps: int, device: torch.device, compiled: bool):
+    torch.manual_seed(0)
+    with torch.device(device):
+        draft = Eagle3Draft(config)
+        selected = torch.randperm(config.vocab_size)[: config.draft_vocab_size].sort().values
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[selected] = True
+        draft.set_vocab(selected - torch.arange(config.draft_vocab_size), t2d)
+        draft.set_embeddings(draft.embed_tokens.weight.to(torch.bfloat16))
+        head = TargetHead(
+            weight=(torch.randn(config.draft_vocab_size, config.hidden_size) * 0.02).to(torch.bfloat16),
+            norm_weight=torch.ones(config.hidden_size, dtype=torch.bfloat16),
+            eps=config.rms_norm_eps,
+            d2t=draft.d2t,
+        )
+    objective = TTTObjective(draft, ttt_steps, step_weight=0.8, attention="flex")
+    if compiled:
+        objective.compile()
+    params = [p for p in objective.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
+    return objective, head, params, optimizer
+
+
+def random_batch(config: DraftConfig, length: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    hidden = config.hidden_size
+    return {
+        "aux": torch.randn(1, length, 3, hidden, device=device, generator=generator).to(torch.bfloat16),
+        "last": torch.randn(1, length, hidden, device=device, generator=generator).to(torch.bfloat16),
+        "input_ids": torch.randint(0, config.vocab_size, (1, length), device=device, generator=generator),
+        "loss_mask": torch.ones(1, length, dtype=torch.bool, device=device),
+        "position_ids": torch.arange(length, device=device)[None],
+        "document_ids": torch.zeros(1, length, dtype=torch.long, device=device),
+    }
+
+
+def train_step(objective, head, params, optimizer, batch) -> torch.Tensor:
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss, _, _, _ = objective(batch, head)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def measure(length: int, ttt_steps: int, compiled: bool, warmup: int, iters: int) -> dict:
+    device = torch.device("cuda")
+    config = llama8b_draft_config()
+    start = time.monotonic()
+    objective, head, params, optimizer = build(config, ttt_steps, device, compiled)
+    batches = [random_batch(config, length, device, seed) for seed in range(3)]
+    for i in range(warmup):
+        loss = train_step(objective, head, params, optimizer, batches[i % 3])
+    torch.cuda.synchronize()
+    setup_s = time.monotonic() - start
+    torch.cuda.reset_peak_memory_stats()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for i in range(iters):
+        loss = train_step(objective, head, params, optimizer, batches[i % 3])
+    end.record()
+    torch.cuda.synchronize()
+    ms = begin.elapsed_time(end) / iters
+    result = {
+        "seq": length,
+        "ttt": ttt_steps,
+        "compiled": compiled,
+        "ms_per_step": ms,
+        "tokens_per_s": length * 1000 / ms,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "setup_s": setup_s,
+        "final_loss": float(loss),
+    }
+    baseline = SPECULATORS.get((length, ttt_steps))
+    if baseline:
+        result["speculators_tokens_per_s"] = baseline
+        result["ratio"] = result["tokens_per_s"] / baseline
+    del objective, head, params, optimizer, batches
+    torch.cuda.empty_cache()
+    return result
+
+
+def profile_step(length: int, ttt_steps: int, rows: int = 15) -> str:
+    """Top kernels of one compiled step (after warm-up): where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device("cuda")
+    config = llama8b_draft_config()
+    objective, head, params, optimizer = build(config, ttt_steps, device, compiled=True)
+    batch = random_batch(config, length, device, 0)
+    for _ in range(2):
+        train_step(objective, head, params, optimizer, batch)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train_step(objective, head, params, optimizer, batch)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="Write the results as JSON here.")
+    parser.add_argument("--budget-s", type=float, default=420, help="Skip remaining variants after this.")
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+    start = time.monotonic()
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "runs": []}
+    report["flex_vs_eager_rel_error"] = check_flex_attention(torch.device("cuda"))
+    print(f"flex TTT attention vs eager (output and grads), max rel error: {report['flex_vs_eager_rel_error']:.2e}")
+    plan = [(2048, 7, True), (4096, 3, True), (2048, 7, False), (4096, 3, False)]
+    for length, ttt_steps, compiled in plan:
+        if time.monotonic() - start > args.budget_s:
+            print(f"skipped seq {length} ttt {ttt_steps} compiled={compiled}: time budget", flush=True)
+            continue
+        try:
+            result = measure(length, ttt_steps, compiled, warmup=3, iters=args.iters)
+        except Exception:  # noqa: BLE001 - a failed variant is reported, the others still run
+            print(f"FAILED seq {length} ttt {ttt_steps} compiled={compiled}:\n{traceback.format_exc()}", flush=True)
+            continue
+        report["runs"].append(result)
+        print(json.dumps(result), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+    if time.monotonic() - start < args.budget_s:
+        try:
+            report["profile_2048_7"] = profile_step(2048, 7)
+            print(report["profile_2048_7"], flush=True)
+        except Exception:  # noqa: BLE001
+            print(f"profile failed:\n{traceback.format_exc()}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    print("\nseq  ttt compiled  ms/step   tok/s   peak GiB  speculators  ratio (goal 1.5)")
+    for r in report["runs"]:
+        print(
+            f"{r['seq']:>4} {r['ttt']:>4} {r['compiled']!s:>8} {r['ms_per_step']:8.1f} {r['tokens_per_s']:8,.0f}"
+            f" {r['peak_gib']:9.1f} {r.get('speculators_tokens_per_s', 0):>11,} {r.get('ratio', 0):6.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
