@@ -160,6 +160,37 @@ class EvaluationConfig(Section):
     )
 
 
+class OrchestrationConfig(Section):
+    """How Prefect runs the phases; never part of a phase's cache key (it changes how, not what)."""
+
+    result_storage: Path | None = Field(
+        None,
+        description="Folder of Prefect's persisted task results (JSON manifests); a shared path when "
+        "several hosts run tasks. None: <run_dir>/.prefect/results.",
+    )
+    retries: int = Field(2, ge=0, description="Retries of a phase after a transient failure.")
+    retry_delay_s: float = Field(
+        30, ge=0, description="Delay before the first retry; doubles with every further retry."
+    )
+    timeouts_s: dict[str, float] = Field(
+        default_factory=lambda: {
+            "prepare_target": 3600,
+            "sampling": 86400,
+            "extraction": 86400,
+            "vocab": 3600,
+            "training": 7 * 86400,
+            "evaluation": 86400,
+        },
+        description="Longest run of each phase in seconds; a phase past it fails (and is retried).",
+    )
+    gpu_limit: str = Field(
+        "gpu", description="Global concurrency limit (one slot) held by every phase that runs an engine."
+    )
+    progress_interval_s: float = Field(
+        5, ge=0, description="Shortest interval between two updates of one Prefect progress artifact."
+    )
+
+
 class PipelineConfig(Section):
     run_dir: Path = Field(Path("runs/default"), description="Where every artifact and events.jsonl go.")
     target: TargetConfig = Field(default_factory=TargetConfig, description="The target model.")
@@ -169,6 +200,9 @@ class PipelineConfig(Section):
     vocab: VocabConfig = Field(default_factory=VocabConfig, description="Draft vocabulary mapping.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Draft training.")
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig, description="Acceptance measurement.")
+    orchestration: OrchestrationConfig = Field(
+        default_factory=OrchestrationConfig, description="Prefect retries, timeouts and result storage."
+    )
 
 
 def _error_message(exc: ValidationError, source: str) -> str:

@@ -1,0 +1,79 @@
+"""The `train-drafter` flow: every phase, in order, each a cached and retried Prefect task.
+
+Tasks are called without an enclosing transaction, so each phase commits its own result the moment it
+completes: a failed training never rolls back an extraction, and the next run (same config) returns every
+completed phase as Cached and resumes the unfinished one from its last shard or checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+from prefect.tasks import Task
+
+from eagle3_core.artifacts import DraftCheckpoint, EvalReport, Manifest
+from eagle3_core.config import PipelineConfig
+from flows.hooks import stop_engines
+from flows.summary import PhaseRun, write_summary
+from tasks.evaluation import evaluate_draft_task
+from tasks.extraction import extract_hidden_states_task
+from tasks.policy import configured
+from tasks.sampling import sample_prompts_task
+from tasks.target import prepare_target_task
+from tasks.training import train_draft_task
+from tasks.vocab import build_vocab_map_task
+
+
+class PhaseRunner:
+    """Calls phase tasks with this run's options and records how each one ended."""
+
+    def __init__(self, config: PipelineConfig):
+        self.config = config
+        self.phases: list[PhaseRun] = []
+
+    def __call__(self, task: Task, phase: str, *upstream: Manifest) -> Any:
+        start = time.monotonic()
+        state = configured(task, self.config, phase)(self.config, *upstream, return_state=True)
+        seconds = time.monotonic() - start
+        self.phases.append(PhaseRun(phase=phase, state=state.name, seconds=seconds, message=state.message or ""))
+        return state.result()
+
+
+def run_all_phases(config: PipelineConfig, runner: Callable[..., Any]) -> tuple[DraftCheckpoint, EvalReport]:
+    target = runner(prepare_target_task, "prepare_target")
+    samples = runner(sample_prompts_task, "sampling", target)
+    hidden_states = runner(extract_hidden_states_task, "extraction", samples, target)
+    vocab_map = runner(build_vocab_map_task, "vocab", samples, target)
+    checkpoint = runner(train_draft_task, "training", hidden_states, vocab_map, target)
+    report = runner(evaluate_draft_task, "evaluation", checkpoint, target, samples)
+    return checkpoint, report
+
+
+def run_pipeline(config: PipelineConfig, summary_key: str) -> tuple[DraftCheckpoint, EvalReport]:
+    """Every phase, then the summary (also after a failure: it says which phase failed and why)."""
+    started = time.time()
+    runner = PhaseRunner(config)
+    checkpoint: DraftCheckpoint | None = None
+    report: EvalReport | None = None
+    try:
+        checkpoint, report = run_all_phases(config, runner)
+    finally:
+        markdown, _ = write_summary(config.run_dir, started, runner.phases, report, checkpoint)
+        create_markdown_artifact(markdown, key=summary_key, description="What ran, what was cached")
+    return checkpoint, report
+
+
+@flow(
+    name="train-drafter",
+    description="Sample, extract, map the vocabulary, train and evaluate an EAGLE-3 drafter.",
+    on_cancellation=[stop_engines],
+    on_crashed=[stop_engines],
+)
+def train_drafter(config: PipelineConfig) -> EvalReport:
+    """Run every phase (cached phases return at once) and end with a markdown summary artifact."""
+    _, report = run_pipeline(config, summary_key="train-drafter-summary")
+    return report

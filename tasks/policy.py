@@ -1,0 +1,203 @@
+"""What every phase task shares: the content-keyed cache policy, the retry condition, and the per-run task
+options (result storage under the run root, timeout, retries with backoff).
+
+A phase's cache key is a digest of (phase name, phase format version, the config fields the phase reads,
+the content of inputs that live outside the config, the upstream manifests' digests). The task's source is
+NOT part of it: a comment edit must not invalidate a 25-minute extraction; a change of the on-disk format
+bumps the phase's version instead. A stored result is trusted only if its manifest still validates (its
+files exist, unchanged); otherwise the record is deleted and the phase runs again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from prefect.cache_policies import CachePolicy
+from prefect.context import TaskRunContext
+from prefect.tasks import Task, exponential_backoff
+
+from eagle3_core.artifacts import ArtifactInvalid, Manifest
+from eagle3_core.config import ConfigError, PipelineConfig
+from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
+from eagle3_core.faults import InjectedFault, check_fault
+from eagle3_core.files import sha256_json
+
+ExtraContent = Callable[[PipelineConfig], Any]
+R = TypeVar("R")
+
+
+# Server fields that change how fast or where an engine runs, never what it computes.
+SERVER_OPERATIONAL = (
+    "server.host",
+    "server.port",
+    "server.api_key_env",
+    "server.gpu_memory_utilization",
+    "server.env",
+    "server.startup_timeout_s",
+    "server.stall_timeout_s",
+    "server.stop_grace_s",
+    "server.gpu_release_timeout_s",
+)
+
+
+def select_fields(data: dict[str, Any], include: tuple[str, ...], exclude: tuple[str, ...]) -> dict[str, Any]:
+    """The dotted paths `include` of a config dump (whole sections or single fields), minus `exclude`."""
+    selected: dict[str, Any] = {}
+    for path in include:
+        node: Any = data
+        for part in path.split("."):
+            node = node[part]
+        selected[path] = node
+    for path in exclude:
+        section, _, name = path.rpartition(".")
+        if isinstance(selected.get(section), dict):
+            selected[section] = {k: v for k, v in selected[section].items() if k != name}
+        selected.pop(path, None)
+    return selected
+
+
+def as_config(value: Any) -> PipelineConfig:
+    return value if isinstance(value, PipelineConfig) else PipelineConfig.model_validate(value)
+
+
+@dataclass
+class PhaseCachePolicy(CachePolicy):
+    """Content key of one phase (see the module docstring). `include`/`exclude` are dotted config paths;
+    `extra` returns the content of inputs the config only names (prompt files, a local target folder)."""
+
+    phase: str = ""
+    version: int = 1
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    extra: ExtraContent | None = field(default=None)
+
+    def key_content(self, config: PipelineConfig, upstream: dict[str, Manifest]) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "version": self.version,
+            "config": select_fields(config.model_dump(mode="json"), self.include, self.exclude),
+            "extra": self.extra(config) if self.extra else None,
+            "upstream": {name: manifest.digest for name, manifest in sorted(upstream.items())},
+        }
+
+    def compute_key(
+        self,
+        task_ctx: TaskRunContext,
+        inputs: dict[str, Any],
+        flow_parameters: dict[str, Any],
+        **kwargs: Any,
+    ) -> str:
+        config = as_config(inputs["config"])
+        upstream = {name: value for name, value in inputs.items() if isinstance(value, Manifest)}
+        key = f"{self.phase}-{sha256_json(self.key_content(config, upstream))}"
+        refreshing = bool(task_ctx.task.refresh_cache)
+        if not refreshing:
+            drop_invalid_record(task_ctx, key, self.phase, RunEvents(config.run_dir))
+        return key
+
+
+def drop_invalid_record(task_ctx: TaskRunContext, key: str, phase: str, events: RunEvents) -> None:
+    """Validate the manifest stored under `key`: record a CACHE_HIT if it holds, else delete the record so
+    the phase runs again instead of returning files that are gone or changed."""
+    store = task_ctx.result_store
+    if not store.exists(key):
+        return
+    try:
+        manifest = store.read(key).result
+        if not isinstance(manifest, Manifest):
+            raise ArtifactInvalid(f"stored result is a {type(manifest).__name__}, not a manifest")
+        manifest.validate()
+    except Exception as exc:
+        record_path = Path(store.result_storage._resolve_path(key))  # type: ignore[union-attr]
+        record_path.unlink(missing_ok=True)
+        events.record(phase, DECISION, f"cached result invalid, running again: {exc}", key=key)
+        return
+    events.record(phase, CACHE_HIT, f"cached {manifest.kind} is valid, not running", key=key)
+
+
+DETERMINISTIC = (
+    ValueError,  # bad input, ConfigError and pydantic's ValidationError included
+    TypeError,
+    KeyError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+    MemoryError,
+    ArtifactInvalid,
+    InjectedFault,
+    ConfigError,
+)
+# Matched by name: importing them would load torch or the evaluation phase into every task module.
+DETERMINISTIC_NAMES = {"OutOfMemoryError", "AcceptanceBelowFloor"}
+
+
+def exception_chain(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def is_deterministic(exc: BaseException) -> bool:
+    """True for failures a retry would repeat: bad input, out of memory, a failed validation (of an
+    artifact or of the acceptance floor), an injected fault."""
+    for link in exception_chain(exc):
+        if isinstance(link, DETERMINISTIC) or type(link).__name__ in DETERMINISTIC_NAMES:
+            return True
+        if "out of memory" in str(link).lower():
+            return True
+    return False
+
+
+def retry_transient(task: Task, task_run: Any, state: Any) -> bool:
+    """Prefect `retry_condition_fn`: retry engine crashes, lost connections and timeouts, never the
+    deterministic failures (which would fail the same way after another weight load)."""
+    exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
+    if isinstance(exc, BaseException):
+        return not is_deterministic(exc)
+    return True
+
+
+def result_storage_dir(config: PipelineConfig) -> Path:
+    """Where task results (JSON manifests) persist: the configured path, or under the run root."""
+    path = config.orchestration.result_storage or Path(config.run_dir) / ".prefect" / "results"
+    return Path(path).expanduser().resolve()
+
+
+def configured(task: Task, config: PipelineConfig, phase: str) -> Task:
+    """The task with this run's options: result storage, timeout, retries with exponential backoff."""
+    orchestration = config.orchestration
+    storage = result_storage_dir(config)
+    storage.mkdir(parents=True, exist_ok=True)
+    delays = exponential_backoff(orchestration.retry_delay_s)(orchestration.retries) if orchestration.retries else 0
+    return task.with_options(
+        result_storage=storage,
+        timeout_seconds=orchestration.timeouts_s.get(phase),
+        retries=orchestration.retries,
+        retry_delay_seconds=delays,
+    )
+
+
+def phase_task_options(policy: PhaseCachePolicy) -> dict[str, Any]:
+    """Decorator options shared by every phase task (the per-run ones are set by `configured`)."""
+    return {
+        "name": policy.phase,
+        "cache_policy": policy,
+        "persist_result": True,
+        "result_serializer": "json",
+        "retry_condition_fn": retry_transient,
+    }
+
+
+def run_phase(phase: str, call: Callable[[], R]) -> R:
+    """Run a phase function between the `start` and `end` fault points of EAGLE3_FAULT."""
+    check_fault(phase, "start")
+    result = call()
+    check_fault(phase, "end")
+    return result

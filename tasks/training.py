@@ -1,0 +1,57 @@
+"""Prefect task of draft training. Keyed on the training settings (not device, sharding or checkpointing),
+the upstream manifests and, for a warm start, the content of the checkpoint started from: the nightly
+run warm-starts from `current`, a folder whose name stays while its drafter changes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+
+from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap
+from eagle3_core.config import PipelineConfig
+from eagle3_core.events import RunEvents
+from eagle3_core.faults import faulting_progress
+from tasks.gpu import gpu_slot
+from tasks.policy import PhaseCachePolicy, phase_task_options, run_phase
+from tasks.progress import PrefectProgress
+
+PHASE = "training"
+
+
+def warm_start_content(config: PipelineConfig) -> list[tuple[str, int, int]] | None:
+    """(file, size, mtime_ns) of every file of the warm-start checkpoint, or None for a fresh start."""
+    if config.training.warm_start is None:
+        return None
+    root = Path(config.training.warm_start).expanduser()
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    return [(str(p.relative_to(root)), (st := p.stat()).st_size, st.st_mtime_ns) for p in files]
+
+
+POLICY = PhaseCachePolicy(
+    phase=PHASE,
+    version=1,
+    include=("training",),
+    exclude=(
+        "training.device",
+        "training.checkpoint_every",
+        "training.keep_checkpoints",
+        "training.sharding",
+    ),
+    extra=warm_start_content,
+)
+
+
+@task(**phase_task_options(POLICY))
+def train_draft_task(
+    config: PipelineConfig, hidden_states: HiddenStateSet, vocab_map: VocabMap, target: TargetModel
+) -> DraftCheckpoint:
+    """Train (or resume training) the draft; exports the vLLM-loadable folder."""
+    from eagle3_core.training import train_draft
+
+    with gpu_slot(config.orchestration.gpu_limit):
+        progress = faulting_progress(PHASE, PrefectProgress(config.orchestration.progress_interval_s))
+        return run_phase(
+            PHASE,
+            lambda: train_draft(config, hidden_states, vocab_map, target, RunEvents(config.run_dir), progress=progress),
+        )
