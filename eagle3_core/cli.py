@@ -127,3 +127,43 @@ def evaluate_command(
         highlight=False,
         markup=False,
     )
+
+
+@app.command("run")
+def run_command(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    nightly: Annotated[
+        bool, typer.Option("--nightly", help="Run nightly-regenerate (warm start, keep the better drafter).")
+    ] = False,
+) -> None:
+    """Run the whole flow locally through Prefect (ephemeral by default, or the server at PREFECT_API_URL);
+    completed phases return from cache. Prints the run summary and the acceptance report."""
+    import time
+
+    cfg = resolve_config(config, set_)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
+    start = time.monotonic()
+    if nightly:
+        from flows.regenerate import regenerate as flow_function
+    else:
+        from flows.train_drafter import train_drafter as flow_function
+    report = flow_function(cfg)
+    summary = (cfg.run_dir / "summary" / "summary.md").read_text()
+    console.print(summary.split("![acceptance")[0], highlight=False, markup=False)
+    console.print(
+        f"acceptance length {report.acceptance_length:.3f} at k={report.num_speculative_tokens}; "
+        f"flow wall time {time.monotonic() - start:.1f} s",
+        highlight=False,
+    )
+
+
+@app.command("deploy")
+def deploy_command(
+    gpu_slots: Annotated[int, typer.Option(help="Slots of the `gpu` concurrency limit when created.")] = 1,
+) -> None:
+    """Create the `gpu` process work pool and concurrency limit, and register the deployments of
+    prefect.yaml (train-drafter on demand, nightly-regenerate at 02:00 UTC) on the PREFECT_API_URL server."""
+    from deployments.setup import set_up
+
+    console.print(set_up(gpu_slots), highlight=False)
