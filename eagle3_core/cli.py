@@ -167,3 +167,32 @@ def deploy_command(
     from deployments.setup import set_up
 
     console.print(set_up(gpu_slots), highlight=False)
+
+
+@app.command("sample")
+def sample_command(config: ConfigOption = None, set_: SetOption = None) -> None:
+    """Sample the target's answers to the prompts (starting and stopping a vLLM server, or using
+    server.url); resumes by prompt id. Writes <run_dir>/samples/ and prints the accounting."""
+    from eagle3_core.progress import rich_progress
+    from eagle3_core.prompts import PromptFileError
+    from eagle3_core.sampling import SamplingAborted, sample_prompts
+    from eagle3_core.serving import ServerError
+    from eagle3_core.target import prepare_target
+
+    cfg = resolve_config(config, set_)
+    events = run_events(cfg)
+    target = prepare_target(cfg.target, events)
+    try:
+        with rich_progress() as progress:
+            sample_set = sample_prompts(cfg, target, events, progress=progress)
+    except (PromptFileError, ServerError, SamplingAborted) as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False, markup=False)
+        raise typer.Exit(1) from None
+    console.print(
+        f"{sample_set.prompts} prompts: {sample_set.ok} ok, {sample_set.error} errors, {sample_set.skipped} "
+        f"skipped; {sample_set.tokens} tokens ({sample_set.loss_tokens} trained); {sample_set.root}",
+        highlight=False,
+        markup=False,
+    )
+    for prompt_id, reason in list(sample_set.errors.items())[:5]:
+        console.print(f"  error {prompt_id}: {reason}", highlight=False, markup=False)

@@ -82,6 +82,9 @@ class SamplingConfig(Section):
     request_timeout_s: float = Field(600, gt=0, description="Timeout of one request.")
     max_retries: int = Field(3, ge=0, description="Retries of a request on connection errors and 5xx.")
     rows_per_part: int = Field(64, ge=1, description="Rows per Parquet part written atomically.")
+    retry_backoff_s: float = Field(
+        0.5, ge=0, description="First retry delay of a failed request; doubles with every retry."
+    )
 
 
 class ExtractionConfig(Section):

@@ -1,0 +1,159 @@
+"""The samples folder on disk: Parquet parts written as rows complete, resume by prompt id, and the final
+accounting into a `SampleSet` manifest.
+
+A re-run keeps the ok rows of earlier runs and samples every other prompt again (an error may have been
+a passing fault); rows of prompts no longer asked for are dropped so that ok + error + skipped always
+equals the prompts. Rows made for another target or other sampling parameters are never mixed in: the
+folder's run key (target digest, parameters) is compared first.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from eagle3_core.artifacts import ArtifactInvalid, SampleSet, TargetModel, record_files
+from eagle3_core.config import PipelineConfig
+from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
+from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.prompts import Prompt
+from eagle3_core.sample_table import read_part, write_part
+
+FORMAT_VERSION = 1
+KEY_FILE = "run_key.json"
+PART_GLOB = "part-*.parquet"
+
+
+def run_key(config: PipelineConfig, target: TargetModel, prompts: list[Prompt]) -> dict[str, Any]:
+    """Everything that decides a row's content, plus the digest of the prompt set. Concurrency, timeouts
+    and part size change how rows are made, not what they hold, so they are left out."""
+    sampling, server = config.sampling, config.server
+    return {
+        "format_version": FORMAT_VERSION,
+        "target": target.digest,
+        "tokenizer": target.tokenizer_digest,
+        "sampling": sampling.model_dump(include={"max_tokens", "temperature", "top_p", "seed"}),
+        "server": server.model_dump(include={"engine", "url", "max_model_len", "reasoning_parser"}),
+        "prompts": sha256_json([p.id for p in prompts]),
+    }
+
+
+def row_key(key: dict[str, Any]) -> dict[str, Any]:
+    """The part of the run key that rows already written must share to be kept (not the prompt set)."""
+    return {k: v for k, v in key.items() if k != "prompts"}
+
+
+def cached_sample_set(out_dir: Path, key: dict[str, Any], events: RunEvents, phase: str) -> SampleSet | None:
+    """The finished SampleSet of the same key with no error rows, if its files are intact."""
+    path = out_dir / f"{SampleSet.kind}.json"
+    if not path.exists():
+        return None
+    try:
+        sample_set = SampleSet.load(path)
+        sample_set.validate()
+    except (ArtifactInvalid, ValueError, OSError) as exc:
+        events.record(phase, DECISION, f"sample set at {out_dir} not reusable, resuming: {exc}")
+        return None
+    if sample_set.config != key or sample_set.error:
+        return None
+    events.record(phase, CACHE_HIT, f"{sample_set.ok} samples at {out_dir} reused", digest=sample_set.digest)
+    return sample_set
+
+
+def prepare_sample_dir(out_dir: Path, key: dict[str, Any], wanted: set[str], events: RunEvents, phase: str) -> set[str]:
+    """Leave only ok rows of wanted prompts in the parts (rewriting parts atomically) and return their
+    ids. Parts of another run key are removed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for leftover in out_dir.glob(".part-*.tmp-*"):
+        leftover.unlink()
+    key_path = out_dir / KEY_FILE
+    parts = sorted(out_dir.glob(PART_GLOB))
+    if key_path.exists() and json.loads(key_path.read_text()) != row_key(key):
+        events.record(phase, DECISION, f"target or sampling parameters changed: discarding {len(parts)} parts")
+        for part in parts:
+            part.unlink()
+        parts = []
+    write_text_atomic(key_path, json.dumps(row_key(key), sort_keys=True))
+    (out_dir / f"{SampleSet.kind}.json").unlink(missing_ok=True)
+    kept: set[str] = set()
+    dropped: Counter[str] = Counter()
+    for part in parts:
+        rows = read_part(part)
+        keep = []
+        for row in rows:
+            if row["status"] == "ok" and row["id"] in wanted and row["id"] not in kept:
+                keep.append(row)
+                kept.add(row["id"])
+            else:
+                dropped["not asked for" if row["id"] not in wanted else row["status"]] += 1
+        if not keep:
+            part.unlink()
+        elif len(keep) < len(rows):
+            write_part(keep, part)
+    if parts:
+        events.record(
+            phase,
+            RESUME,
+            f"resuming: {len(kept)} ok rows kept, {len(wanted) - len(kept)} prompts to sample",
+            kept=len(kept),
+            dropped=dict(dropped),
+        )
+    return kept
+
+
+class PartWriter:
+    """Collects rows and writes every `rows_per_part` of them as the next Parquet part (atomically)."""
+
+    def __init__(self, out_dir: Path, rows_per_part: int):
+        self.out_dir = out_dir
+        self.rows_per_part = rows_per_part
+        self.rows: list[dict[str, Any]] = []
+        numbers = [int(p.stem.split("-")[1]) for p in out_dir.glob(PART_GLOB)]
+        self.next_number = max(numbers, default=-1) + 1
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= self.rows_per_part:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.rows:
+            write_part(self.rows, self.out_dir / f"part-{self.next_number:05d}.parquet")
+            self.next_number += 1
+            self.rows = []
+
+
+def finish_sample_set(out_dir: Path, key: dict[str, Any], target: TargetModel, prompts: list[Prompt]) -> SampleSet:
+    """Count every row, check that each prompt has exactly one, and save the manifest."""
+    parts = sorted(out_dir.glob(PART_GLOB))
+    rows = [row for part in parts for row in read_part(part)]
+    ids = Counter(row["id"] for row in rows)
+    wanted = {p.id for p in prompts}
+    missing, extra = wanted - ids.keys(), ids.keys() - wanted
+    repeated = [i for i, n in ids.items() if n > 1]
+    if missing or extra or repeated:
+        raise RuntimeError(
+            f"samples at {out_dir} do not account for the prompts: {len(missing)} missing, "
+            f"{len(extra)} unknown, {len(repeated)} repeated (e.g. {sorted(missing | extra | set(repeated))[:3]})"
+        )
+    status = Counter(row["status"] for row in rows)
+    ok_rows = [row for row in rows if row["status"] == "ok"]
+    sample_set = SampleSet(
+        root=str(out_dir),
+        files=record_files(out_dir, parts),
+        config=key,
+        upstream={"target": target.digest},
+        prompts=len(prompts),
+        ok=status["ok"],
+        error=status["error"],
+        skipped=status["skipped"],
+        tokens=sum(len(row["input_ids"]) for row in ok_rows),
+        loss_tokens=sum(sum(row["loss_mask"]) for row in ok_rows),
+        errors={row["id"]: row["error"] for row in rows if row["status"] == "error"},
+        target_digest=target.digest,
+        tokenizer_digest=target.tokenizer_digest,
+    )
+    sample_set.save()
+    return sample_set

@@ -1,0 +1,269 @@
+"""Phase 1, sample: ask the target for its own answers to the prompts, the data a draft learns to predict.
+
+Requests go to an OpenAI-compatible server (a vLLM server started here, one handed in, or an external
+URL) with bounded concurrency. Connection errors and 5xx are retried with backoff; a 4xx is the request's
+own fault and becomes an error row at once; a server that stays unreachable aborts the run. Rows are
+written as Parquet parts as they complete, so a crash loses at most one part; a re-run keeps the ok rows
+and samples only the rest (errors are retried). Every prompt ends as exactly one row: ok, error (with its
+reason) or skipped (too long for the model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from eagle3_core.artifacts import SampleSet, TargetModel
+from eagle3_core.chat_tokens import ChatTokenizer, split_reasoning
+from eagle3_core.config import PipelineConfig, SamplingConfig
+from eagle3_core.events import DECISION, RunEvents
+from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
+from eagle3_core.prompts import Prompt, load_prompts
+from eagle3_core.sample_store import (
+    PartWriter,
+    cached_sample_set,
+    finish_sample_set,
+    prepare_sample_dir,
+    run_key,
+)
+from eagle3_core.serving import ExternalServer, VllmServer, open_server
+
+PHASE = "sampling"
+
+
+class SamplingAborted(RuntimeError):
+    """The server stopped answering; rows already completed are written, a re-run resumes after them."""
+
+
+class RequestFailed(Exception):
+    """A request that failed for good; `unreachable` means the server itself is gone."""
+
+    def __init__(self, reason: str, unreachable: bool = False):
+        super().__init__(reason)
+        self.unreachable = unreachable
+
+
+def headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def post_with_retry(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], retries: int, backoff_s: float
+) -> dict[str, Any]:
+    """POST and return the JSON answer. Connection errors, timeouts and 5xx are retried `retries` times
+    with doubling delays; a 4xx is raised at once (sending it again would fail again)."""
+    reason, unreachable = "", False
+    for attempt in range(retries + 1):
+        if attempt:
+            await asyncio.sleep(backoff_s * 2 ** (attempt - 1))
+        try:
+            response = await client.post(url, json=body)
+        except httpx.TransportError as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            unreachable = isinstance(exc, httpx.ConnectError | httpx.RemoteProtocolError)
+            continue
+        if response.status_code >= 500:
+            reason, unreachable = f"HTTP {response.status_code}: {response.text[:500]}", False
+            continue
+        if response.status_code >= 400:
+            raise RequestFailed(f"HTTP {response.status_code}: {response.text[:500]}")
+        return response.json()
+    raise RequestFailed(f"{reason} (after {retries} retries)", unreachable=unreachable)
+
+
+def request_body(model: str, prompt: Prompt, config: SamplingConfig, seed: int, max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": prompt.messages,
+        "max_tokens": max_tokens,
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "seed": seed,
+    }
+
+
+def parse_completion(answer: dict[str, Any]) -> dict[str, Any]:
+    """The row fields of a chat completion. Reasoning comes from the server's reasoning parser
+    (`reasoning_content`, or `reasoning` in newer vLLM), else from `<think>` tags in the content."""
+    choice = answer["choices"][0]
+    message = choice.get("message") or {}
+    content = message.get("content") or ""
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning is None:
+        reasoning, content = split_reasoning(content)
+    usage = answer.get("usage") or {}
+    return {
+        "reasoning": reasoning,
+        "response": content,
+        "finish_reason": choice.get("finish_reason") or "",
+        "prompt_tokens": usage.get("prompt_tokens", 0),
+        "completion_tokens": usage.get("completion_tokens", 0),
+    }
+
+
+async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
+    """The name the server serves the target under (first entry of /v1/models)."""
+    response = await client.get(f"{base_url}/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+class Sampler:
+    """Turns prompts into rows against one server: skips prompts too long for the model, samples the
+    rest with bounded concurrency and renders each answer into its token view."""
+
+    def __init__(
+        self, base_url: str, api_key: str | None, config: SamplingConfig, tokens: ChatTokenizer, max_model_len: int
+    ):
+        self.base_url = base_url
+        self.api_key = api_key
+        self.config = config
+        self.tokens = tokens
+        self.max_model_len = max_model_len
+
+    def skip_reason(self, prompt: Prompt) -> tuple[str | None, int]:
+        """(reason to skip or None, tokens left for the completion)."""
+        length = len(self.tokens.prompt_ids(prompt.messages))
+        room = self.max_model_len - length
+        if room < 1:
+            return f"prompt has {length} tokens; server.max_model_len is {self.max_model_len}", 0
+        return None, min(self.config.max_tokens, room)
+
+    async def sample_one(self, client: httpx.AsyncClient, model: str, index: int, prompt: Prompt) -> dict[str, Any]:
+        row: dict[str, Any] = {"id": prompt.id, "messages": prompt.messages}
+        reason, max_tokens = self.skip_reason(prompt)
+        if reason:
+            return {**row, "status": "skipped", "error": reason}
+        body = request_body(model, prompt, self.config, self.config.seed + index, max_tokens)
+        try:
+            answer = await post_with_retry(
+                client,
+                f"{self.base_url}/v1/chat/completions",
+                body,
+                self.config.max_retries,
+                self.config.retry_backoff_s,
+            )
+            fields = parse_completion(answer)
+        except RequestFailed as exc:
+            if exc.unreachable:
+                raise SamplingAborted(f"server {self.base_url} unreachable: {exc}") from None
+            return {**row, "status": "error", "error": str(exc)}
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            return {**row, "status": "error", "error": f"malformed answer: {type(exc).__name__}: {exc}"}
+        view = self.tokens.token_view(prompt.messages, fields["reasoning"], fields["response"])
+        return {**row, **fields, "status": "ok", "input_ids": view.input_ids, "loss_mask": view.loss_mask}
+
+    async def run(self, work: list[tuple[int, Prompt]], on_row: Callable[[dict[str, Any]], None]) -> None:
+        """Sample `work` ((prompt index, prompt) pairs) with `config.concurrency` requests in flight;
+        `on_row` gets each row as it completes. The first SamplingAborted cancels the rest."""
+        queue: asyncio.Queue[tuple[int, Prompt]] = asyncio.Queue()
+        for item in work:
+            queue.put_nowait(item)
+        limits = httpx.Limits(max_connections=self.config.concurrency)
+        timeout = httpx.Timeout(self.config.request_timeout_s, connect=30)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers(self.api_key)) as client:
+            model = await served_model(client, self.base_url)
+
+            async def worker() -> None:
+                while not queue.empty():
+                    index, prompt = queue.get_nowait()
+                    on_row(await self.sample_one(client, model, index, prompt))
+
+            tasks = [asyncio.create_task(worker()) for _ in range(min(self.config.concurrency, len(work)))]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class RowProgress:
+    """Counts rows as they complete and reports requests done/total, errors and tokens/s."""
+
+    def __init__(self, progress: ProgressCallback, done: int, total: int):
+        self.progress = progress
+        self.done = done
+        self.total = total
+        self.errors = 0
+        self.tokens = 0
+        self.meter = RateMeter()
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        self.done += 1
+        self.errors += row["status"] == "error"
+        self.tokens += row.get("completion_tokens", 0)
+        rate = self.meter.rate(self.tokens)
+        self.progress(
+            ProgressUpdate(
+                phase=PHASE,
+                stage="requests",
+                done=self.done,
+                total=self.total,
+                unit="requests",
+                rate=rate,
+                message=f"{self.done}/{self.total} requests, {self.errors} errors, {rate:.0f} tok/s",
+            )
+        )
+
+
+def sample_prompts(
+    config: PipelineConfig,
+    target: TargetModel,
+    events: RunEvents,
+    progress: ProgressCallback = ignore_progress,
+    server: VllmServer | ExternalServer | None = None,
+) -> SampleSet:
+    """Sample every prompt once, resuming from rows already written; see the module docstring."""
+    out_dir = Path(config.run_dir) / "samples"
+    prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
+    key = run_key(config, target, prompts)
+    if cached := cached_sample_set(out_dir, key, events, PHASE):
+        return cached
+    kept = prepare_sample_dir(out_dir, key, {p.id for p in prompts}, events, PHASE)
+    work = [(i, p) for i, p in enumerate(prompts) if p.id not in kept]
+    if work:
+        writer = PartWriter(out_dir, config.sampling.rows_per_part)
+        on_row = RowProgress(progress, len(kept), len(prompts))
+        try:
+            if server is None:
+                with open_server(config.server, target.root, config.run_dir, events, progress, PHASE) as own:
+                    sample_with(own, config, target, work, writer, on_row)
+            else:
+                sample_with(server, config, target, work, writer, on_row)
+        finally:
+            writer.flush()
+        seconds = time.monotonic() - on_row.meter.start
+        events.record(
+            PHASE,
+            DECISION,
+            f"sampled {len(work)} prompts in {seconds:.0f} s: {on_row.errors} errors, {on_row.tokens} tokens",
+            prompts=len(work),
+            errors=on_row.errors,
+            completion_tokens=on_row.tokens,
+            seconds=seconds,
+        )
+    return finish_sample_set(out_dir, key, target, prompts)
+
+
+def sample_with(
+    server: VllmServer | ExternalServer,
+    config: PipelineConfig,
+    target: TargetModel,
+    work: list[tuple[int, Prompt]],
+    writer: PartWriter,
+    on_row: RowProgress,
+) -> None:
+    def record(row: dict[str, Any]) -> None:
+        writer.add(row)
+        on_row(row)
+
+    sampler = Sampler(
+        server.base_url, server.api_key, config.sampling, ChatTokenizer(target.root), config.server.max_model_len
+    )
+    asyncio.run(sampler.run(work, record))

