@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_core.extraction.storage import LAST_STATE_NORMED, SampleStates
+from eagle3_core.extraction.storage import LAST_STATE_NORMED, SampleStates, quantize_fp8
 
 
 def resolve_device(device: str) -> torch.device:
@@ -95,12 +95,30 @@ class HfBackend:
 
     last_state_normed = LAST_STATE_NORMED
 
-    def __init__(self, decoder: torch.nn.Module, layer_ids: list[int], batch_size: int, pad_id: int = 0):
+    def __init__(
+        self,
+        decoder: torch.nn.Module,
+        layer_ids: list[int],
+        batch_size: int,
+        storage_dtype: str = "bf16",
+        pad_id: int = 0,
+    ):
         self.decoder = decoder
         self.layer_ids = list(layer_ids)
         self.batch_size = batch_size
+        self.storage_dtype = storage_dtype
         self.pad_id = pad_id
         self.device = next(decoder.parameters()).device
+
+    def host_states(self, aux: torch.Tensor, last: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Check for NaN/Inf and (for fp8 storage) quantise on the compute device, where it costs
+        microseconds, then start the copies to host memory. aux [B, L, 3, H], last [B, L, H]."""
+        finite = torch.isfinite(aux).flatten(2).all(-1) & torch.isfinite(last).all(-1)  # [B, L]
+        states = {"aux": aux, "last": last, "finite": finite}
+        if self.storage_dtype == "fp8":
+            states["aux"], states["aux_scale"] = quantize_fp8(aux)
+            states["last"], states["last_scale"] = quantize_fp8(last)
+        return {name: to_host(tensor) for name, tensor in states.items()}
 
     def extract(self, rows: list[dict]) -> tuple[list[SampleStates], object | None]:
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))
@@ -108,16 +126,14 @@ class HfBackend:
         for start in range(0, len(order), self.batch_size):
             batch = order[start : start + self.batch_size]
             ids, mask = right_padded([rows[i]["input_ids"] for i in batch], self.pad_id, self.device)
-            aux, last = capture_states(self.decoder, ids, mask, self.layer_ids)
-            aux, last = to_host(aux), to_host(last)
+            host = self.host_states(*capture_states(self.decoder, ids, mask, self.layer_ids))
             for row, i in enumerate(batch):
                 tokens = len(rows[i]["input_ids"])
                 states[i] = SampleStates(
                     sample_id=rows[i]["id"],
                     input_ids=torch.tensor(rows[i]["input_ids"], dtype=torch.long),
                     loss_mask=torch.tensor(rows[i]["loss_mask"], dtype=torch.int8),
-                    aux=aux[row, :tokens],
-                    last=last[row, :tokens],
+                    **{name: tensor[row, :tokens] for name, tensor in host.items()},
                 )
         ready = None
         if self.device.type == "cuda":

@@ -140,7 +140,7 @@ def open_backend(
         with events.weight_load(PHASE, f"{target.name} (transformers, {device})"):
             decoder = load_decoder(target.root_path, getattr(torch, config.target.dtype), device)
         progress(ProgressUpdate(phase=PHASE, stage="weight load", done=100, total=100, unit="%"))
-        backend = HfBackend(decoder, layer_ids, config.extraction.batch_size)
+        backend = HfBackend(decoder, layer_ids, config.extraction.batch_size, config.extraction.dtype)
         try:
             yield backend
         finally:

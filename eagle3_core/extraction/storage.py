@@ -48,13 +48,25 @@ class ShardError(ValueError):
 
 @dataclass
 class SampleStates:
-    """Hidden states of one sample, as a backend produces them (any float dtype, any device)."""
+    """Hidden states of one sample, as a backend produces them (host tensors).
+
+    `aux`/`last` are float states, or fp8 e4m3 with `aux_scale`/`last_scale` when the backend quantised
+    them on its device (less to copy to the host, no CPU work in the writer). `finite`, when the backend
+    checked for NaN/Inf on its device, spares the writer a scan of every value.
+    """
 
     sample_id: str
     input_ids: torch.Tensor  # [T] long
     loss_mask: torch.Tensor  # [T] int/bool
     aux: torch.Tensor  # [T, 3, H]
     last: torch.Tensor  # [T, H]
+    aux_scale: torch.Tensor | None = None  # [T, 3] when aux is fp8
+    last_scale: torch.Tensor | None = None  # [T] when last is fp8
+    finite: torch.Tensor | None = None  # [T] bool: every state of the token is finite
+
+    @property
+    def quantized(self) -> bool:
+        return self.aux_scale is not None
 
 
 def shard_name(index: int) -> str:
@@ -88,9 +100,25 @@ def check_sample(states: SampleStates, expected_ids: list[int] | torch.Tensor, h
         raise ShardError(f"sample {sid}: last shape {tuple(states.last.shape)} != {(tokens, hidden_size)}")
     if tuple(states.loss_mask.shape) != (tokens,):
         raise ShardError(f"sample {sid}: loss_mask shape {tuple(states.loss_mask.shape)} != {(tokens,)}")
-    for name, tensor in (("aux", states.aux), ("last", states.last)):
-        if not bool(torch.isfinite(tensor).all()):
-            raise ShardError(f"sample {sid}: {name} holds NaN or Inf")
+    if not states_finite(states):
+        raise ShardError(f"sample {sid}: hidden states hold NaN or Inf")
+
+
+def states_finite(states: SampleStates) -> bool:
+    """No NaN/Inf in the sample's states. A NaN anywhere in an fp8 row makes its absmax scale NaN, so the
+    scales of quantised states tell; a backend's own `finite` flags spare the scan."""
+    if states.finite is not None:
+        return bool(states.finite.all())
+    if states.quantized:
+        return bool(torch.isfinite(states.aux_scale).all() and torch.isfinite(states.last_scale).all())
+    return bool(torch.isfinite(states.aux).all() and torch.isfinite(states.last).all())
+
+
+def float_states(states: SampleStates) -> tuple[torch.Tensor, torch.Tensor]:
+    """aux [T, 3, H], last [T, H] as float tensors on the host."""
+    if states.quantized:
+        return dequantize_fp8(states.aux, states.aux_scale), dequantize_fp8(states.last, states.last_scale)
+    return states.aux.to("cpu"), states.last.to("cpu")
 
 
 def shard_tensors(samples: list[SampleStates], dtype: str) -> dict[str, torch.Tensor]:
@@ -98,13 +126,18 @@ def shard_tensors(samples: list[SampleStates], dtype: str) -> dict[str, torch.Te
     if dtype not in STORAGE_DTYPES:
         raise ValueError(f"storage dtype must be one of {STORAGE_DTYPES}, got {dtype!r}")
     lengths = torch.tensor([0] + [len(s.input_ids) for s in samples], dtype=torch.long)
-    aux = torch.cat([s.aux.to("cpu") for s in samples])  # [tokens, 3, H]
-    last = torch.cat([s.last.to("cpu") for s in samples])  # [tokens, H]
     tensors = {
         "input_ids": torch.cat([s.input_ids.to("cpu", torch.long) for s in samples]),
         "loss_mask": torch.cat([s.loss_mask.to("cpu", torch.int8) for s in samples]),
         "offsets": torch.cumsum(lengths, 0),
     }
+    if dtype == "fp8" and all(s.quantized for s in samples):
+        for name in ("aux", "aux_scale", "last", "last_scale"):
+            tensors[name] = torch.cat([getattr(s, name).to("cpu") for s in samples])
+        return tensors
+    states = [float_states(s) for s in samples]
+    aux = torch.cat([a for a, _ in states])  # [tokens, 3, H]
+    last = torch.cat([b for _, b in states])  # [tokens, H]
     if dtype == "bf16":
         tensors["aux"] = aux.to(torch.bfloat16).contiguous()
         tensors["last"] = last.to(torch.bfloat16).contiguous()

@@ -92,3 +92,29 @@ def test_background_writer_surfaces_a_failed_check_and_writes_nothing_for_it(tmp
         writer.close()
     assert (tmp_path / "ok.safetensors").exists()
     assert not (tmp_path / "bad.safetensors").exists()
+
+
+def test_states_quantised_by_the_backend_are_stored_as_they_are(tmp_path):
+    source = sample("a", 7, 4)
+    aux_q, aux_s = quantize_fp8(source.aux)
+    last_q, last_s = quantize_fp8(source.last)
+    pre = SampleStates("a", source.input_ids, source.loss_mask, aux_q, last_q, aux_scale=aux_s, last_scale=last_s)
+    written = write_shard(tmp_path / "pre.safetensors", [pre], "fp8", {})
+    reference = write_shard(tmp_path / "ref.safetensors", [source], "fp8", {})
+    with safe_open(str(written), framework="pt") as f, safe_open(str(reference), framework="pt") as g:
+        for name in ("aux", "aux_scale", "last", "last_scale"):
+            assert torch.equal(f.get_tensor(name).float(), g.get_tensor(name).float()), name
+
+
+def test_nan_is_caught_through_fp8_scales_and_backend_flags():
+    source = sample("a", 5, 5)
+    source.aux[2, 1, 3] = float("nan")
+    aux_q, aux_s = quantize_fp8(source.aux)
+    last_q, last_s = quantize_fp8(source.last)
+    quantised = SampleStates("a", source.input_ids, source.loss_mask, aux_q, last_q, aux_s, last_s)
+    with pytest.raises(ShardError, match="NaN or Inf"):
+        check_sample(quantised, source.input_ids, H)
+    flagged = sample("b", 5, 6)
+    flagged.finite = torch.tensor([True, True, False, True, True])
+    with pytest.raises(ShardError, match="NaN or Inf"):
+        check_sample(flagged, flagged.input_ids, H)
