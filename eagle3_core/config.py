@@ -102,6 +102,9 @@ class ExtractionConfig(Section):
     reuse_sampling_server: Literal["off", "on", "auto"] = Field(
         "off", description="Extract on the sampling server instead of a second engine (one weight load)."
     )
+    writer_threads: int = Field(
+        2, ge=1, description="Threads validating and writing shards while the next shard's prefill runs."
+    )
 
 
 class VocabConfig(Section):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_core.artifacts import ArtifactInvalid, FileRecord, HiddenStateSet, SampleSet, TargetModel
-from eagle3_core.config import PipelineConfig
+from eagle3_core.config import ExtractionConfig, PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
 from eagle3_core.extraction.reader import INDEX_FILE
 from eagle3_core.extraction.storage import (
@@ -189,7 +189,7 @@ def extract_hidden_states(
         layer_ids = cfg["layer_ids"]
         max_tokens = max(len(r["input_ids"]) for r in rows)
         with open_backend(config, target, layer_ids, events, progress, server, max_tokens) as backend:
-            run_shards(backend, out_dir, shards, keys, pending, config.extraction.dtype, target.hidden_size, progress)
+            run_shards(backend, out_dir, shards, keys, pending, config.extraction, target.hidden_size, progress)
     manifest = build_manifest(out_dir, shards, keys, cfg, upstream, target)
     manifest.save()
     events.record(
@@ -220,11 +220,11 @@ def run_shards(
     shards: list[list[dict]],
     keys: list[str],
     pending: list[int],
-    dtype: str,
+    extraction: ExtractionConfig,
     hidden_size: int,
     progress: ProgressCallback,
 ) -> None:
-    """Extract the pending shards; a background thread validates and writes each one while the next
+    """Extract the pending shards; background threads validate and write each one while the next
     shard's prefill runs."""
     total_samples = sum(len(shards[i]) for i in pending)
     meter = RateMeter()
@@ -244,13 +244,13 @@ def run_shards(
 
         return done
 
-    with BackgroundShardWriter() as writer:
+    with BackgroundShardWriter(workers=extraction.writer_threads) as writer:
         for i in pending:
             states, ready = backend.extract(shards[i])
             writer.submit(
                 out_dir / shard_name(i),
                 states,
-                dtype,
+                extraction.dtype,
                 {"plan_key": keys[i]},
                 ready,
                 checker(shards[i]),
