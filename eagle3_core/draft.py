@@ -271,11 +271,14 @@ class Eagle3Draft(nn.Module):
         from eagle3_core.training.attention import TTTAttention
 
         attend = TTTAttention.for_documents(document_ids, attention)
-        embeds = self.embed(input_ids)  # [B, T, H]
+        length = input_ids.shape[1]
+        # Embedded once, padded with ttt_steps zero ids: step k reads a view (tokens i+k+1 at index i);
+        # the padding only reaches indices whose predicted token lies past the end, never scored.
+        embeds = self.embed(F.pad(input_ids, (0, ttt_steps)))  # [B, T + K, H]
         hidden = self.combine_aux(aux)  # [B, T, H]
         states = []
-        for step in range(ttt_steps):
-            step_embeds = shift_left(embeds, step + 1)  # token i+step+1 at index i
+        for step in range(ttt_steps):  # step 0: target states; step k > 0: the draft's own step k-1 output
+            step_embeds = embeds[:, step + 1 : step + 1 + length]
             hidden = self.layer(hidden, step_embeds, position_ids + step, attend)
             states.append(hidden)
         return states
@@ -371,14 +374,6 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"{path}: tensors missing {missing} or unexpected {unexpected}")
         draft.set_embeddings(embeddings)
         return draft
-
-
-def shift_left(x: torch.Tensor, by: int) -> torch.Tensor:
-    """x [B, T, ...] -> x[:, by:] padded with zeros at the end (positions past the end are never scored)."""
-    if by == 0:
-        return x
-    pad = torch.zeros_like(x[:, :by])
-    return torch.cat([x[:, by:], pad], dim=1)
 
 
 def parameter_count(draft: Eagle3Draft) -> int:

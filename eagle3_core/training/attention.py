@@ -85,6 +85,23 @@ def ttt_attention_eager(
     return out.to(q.dtype)
 
 
+def merge_diagonal(
+    q: torch.Tensor, out0: torch.Tensor, lse0: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> torch.Tensor:
+    """Merge attention over step-0 entries (out0 [B, Hq, T, D], log-sum-exp lse0 [B, Hq, T]) with each
+    query's own chain entries keys/values [S, B, Hkv, T, D] (steps 1..S):
+    out = (e^lse0 * out0 + sum_j e^s_j * v_j) / (e^lse0 + sum_j e^s_j), computed stably in fp32."""
+    batch, heads, length, dim = q.shape
+    steps, kv_heads = keys.shape[0], keys.shape[2]
+    grouped = q.view(batch, kv_heads, heads // kv_heads, length, dim).float()  # [B, Hkv, G, T, D]
+    scores = (grouped[None] * keys[:, :, :, None].float()).sum(-1) * dim**-0.5  # [S, B, Hkv, G, T]
+    scores = torch.cat([lse0.float()[None], scores.reshape(steps, batch, heads, length)])  # [1 + S, B, Hq, T]
+    weights = torch.softmax(scores, dim=0)
+    diagonal = weights[1:].view(steps, batch, kv_heads, heads // kv_heads, length, 1) * values[:, :, :, None].float()
+    out = weights[0, ..., None] * out0.float() + diagonal.sum(0).view(batch, heads, length, dim)
+    return out.to(q.dtype)
+
+
 @cache
 def _compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
@@ -92,21 +109,22 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention)
 
 
+@cache
+def _compiled_merge_diagonal():
+    return torch.compile(merge_diagonal, dynamic=True)
+
+
 def ttt_attention_flex(
     q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], block_mask
 ) -> torch.Tensor:
-    """flex_attention over step 0 (document-causal BlockMask) merged with the diagonal entries:
-    out = (e^lse0 * out0 + sum_j e^s_j * v_j) / (e^lse0 + sum_j e^s_j), computed stably."""
+    """flex_attention over step 0 (document-causal BlockMask) returning its log-sum-exp, merged with the
+    diagonal entries of steps 1..k by `merge_diagonal` (compiled: one fused pass per step)."""
     out0, lse0 = _compiled_flex_attention()(
         q, keys[0], values[0], block_mask=block_mask, return_lse=True, enable_gqa=True
     )  # out0 [B, Hq, T, D], lse0 [B, Hq, T]
     if len(keys) == 1:
         return out0
-    diagonal = diagonal_scores(q, keys)  # [B, Hq, T, k]
-    all_scores = torch.cat([lse0.float()[..., None], diagonal], dim=-1)  # [B, Hq, T, 1 + k]
-    weights = torch.softmax(all_scores, dim=-1)
-    out = weights[..., :1] * out0.float() + weighted_diagonal_values(weights[..., 1:], values[1:])
-    return out.to(q.dtype)
+    return _compiled_merge_diagonal()(q, out0, lse0, torch.stack(keys[1:]), torch.stack(values[1:]))
 
 
 class TTTAttention:

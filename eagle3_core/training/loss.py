@@ -27,13 +27,14 @@ LOSS_CHUNK_ROWS = 4096
 
 
 def soft_ce_chunk(
-    logits: torch.Tensor, target_probs: torch.Tensor, row_weights: torch.Tensor
+    logits: torch.Tensor, target_logits: torch.Tensor, row_weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk: logits [C, Vd] (compute dtype), target_probs [C, Vd], row_weights [C] ->
-    (weighted CE sum, d loss / d logits [C, Vd] in the logits' dtype, draft argmax [C]). Elementwise only,
-    so torch.compile fuses it into one or two passes over the chunk."""
-    accumulate = torch.promote_types(target_probs.dtype, torch.float32)
+    """One chunk: draft logits [C, Vd] (compute dtype), target logits [C, Vd], row_weights [C] ->
+    (weighted CE sum, d loss / d logits [C, Vd] in the logits' dtype, draft argmax [C]). Elementwise and
+    row reductions only, so torch.compile fuses it into a pass or two over the chunk."""
+    accumulate = torch.promote_types(target_logits.dtype, torch.float32)
     log_probs = torch.log_softmax(logits.to(accumulate), dim=-1)
+    target_probs = torch.softmax(target_logits.to(accumulate), dim=-1)
     weights = row_weights[:, None].to(accumulate)
     loss = -(weights * target_probs * log_probs).sum()
     grad_logits = ((log_probs.exp() - target_probs) * weights).to(logits.dtype)
@@ -41,49 +42,54 @@ def soft_ce_chunk(
 
 
 class _FusedSoftCrossEntropy(torch.autograd.Function):
-    """sum_n row_weight[n] * CE(target_probs[n], log_softmax(hidden[n] @ weight.T)), plus the draft's
-    argmax per row (no gradient). Gradients are formed during forward, chunk by chunk."""
+    """sum_n row_weight[n] * CE(softmax(target[n]), log_softmax(hidden[n] @ weight.T)), plus the draft's
+    argmax per row (no gradient). Forward keeps d loss / d logits (compute dtype) instead of the logits;
+    backward is two matmuls, as in autocast's own linear backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target_probs, row_weights, compute_dtype, chunk, chunk_fn):
-        grad_hidden = torch.empty_like(hidden)  # [N, H]
-        grad_weight = torch.zeros_like(weight)  # [Vd, H]
-        loss = hidden.new_zeros((), dtype=torch.promote_types(target_probs.dtype, torch.float32))
+    def forward(ctx, hidden, weight, weight_c, target_logits, row_weights, chunk, chunk_fn):
+        hidden_c = hidden.to(weight_c.dtype)  # [N, H]
+        grad_logits = torch.empty(hidden.shape[0], weight_c.shape[0], dtype=weight_c.dtype, device=hidden.device)
+        loss = hidden.new_zeros((), dtype=torch.promote_types(target_logits.dtype, torch.float32))
         draft_top1 = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
-        weight_c = weight.to(compute_dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk):
                 rows = slice(start, start + chunk)
-                h = hidden[rows].to(compute_dtype)  # [C, H]
-                chunk_loss, grad_logits, draft_top1[rows] = chunk_fn(
-                    h @ weight_c.T, target_probs[rows], row_weights[rows]
+                logits = hidden_c[rows] @ weight_c.T  # [C, Vd]
+                chunk_loss, grad_logits[rows], draft_top1[rows] = chunk_fn(
+                    logits, target_logits[rows], row_weights[rows]
                 )
                 loss += chunk_loss
-                grad_hidden[rows] = (grad_logits @ weight_c).to(hidden.dtype)
-                grad_weight += (grad_logits.T @ h).to(weight.dtype)
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.save_for_backward(hidden_c, weight_c, grad_logits)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
         ctx.mark_non_differentiable(draft_top1)
         return loss, draft_top1
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_top1):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None, None
+        hidden_c, weight_c, grad_logits = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        with torch.autocast(hidden_c.device.type, enabled=False):
+            scaled = grad_logits * grad_loss.to(grad_logits.dtype)  # [N, Vd]
+            grad_hidden = (scaled @ weight_c).to(hidden_dtype)  # [N, H]
+            grad_weight = (scaled.T @ hidden_c).to(weight_dtype)  # [Vd, H]
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def fused_soft_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    target_probs: torch.Tensor,
+    target_logits: torch.Tensor,
     row_weights: torch.Tensor,
-    compute_dtype: torch.dtype | None = None,
+    weight_c: torch.Tensor | None = None,
     chunk: int = LOSS_CHUNK_ROWS,
     chunk_fn: Callable = soft_ce_chunk,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [N, H] (normed draft states), weight [Vd, H] (lm_head), target_probs [N, Vd], row_weights
-    [N] -> (weighted loss sum, draft argmax [N]). Matmuls run in `compute_dtype` (bf16 on GPU)."""
-    dtype = compute_dtype or hidden.dtype
-    return _FusedSoftCrossEntropy.apply(hidden, weight, target_probs, row_weights, dtype, chunk, chunk_fn)
+    """hidden [N, H] (normed draft states), weight [Vd, H] (lm_head, gets the gradient), target_logits
+    [N, Vd], row_weights [N] -> (weighted loss sum, draft argmax [N]). `weight_c` is the weight in the
+    compute dtype (bf16 on GPU), cast once per batch by the caller and shared by the TTT steps."""
+    weight_c = weight.detach() if weight_c is None else weight_c
+    return _FusedSoftCrossEntropy.apply(hidden, weight, weight_c, target_logits, row_weights, chunk, chunk_fn)
 
 
 def step_valid(loss_mask: torch.Tensor, document_ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -173,35 +179,31 @@ class TTTObjective(nn.Module):
             self.ttt_steps,
             self.attention,
         )  # K x [B, T, H]
-        target_logits = head.logits(batch["last"])  # [B, T, Vd], once per batch
+        target_logits = head.logits(batch["last"])  # [B, T, Vd], once per batch, shared by every step
         target_top1 = head.full_top1(batch["last"]) if exact_top1 else head.draft_to_target(target_logits.argmax(-1))
-        target_probs = torch.softmax(target_logits.float(), dim=-1)  # shared by every step
-        compute_dtype = torch.bfloat16 if states[0].is_cuda else torch.float32
+        lm_head = self.draft.lm_head.weight
+        weight_c = lm_head.detach().to(torch.bfloat16 if lm_head.is_cuda else lm_head.dtype)
+        valid = torch.stack(
+            [step_valid(batch["loss_mask"], batch["document_ids"], step) for step in range(len(states))]
+        )  # [K, B, T]
+        counts = valid.sum((1, 2))  # [K]
+        # Two host syncs per batch (row counts and indices for every step at once), not two per step.
+        all_rows = valid.nonzero().split(counts.tolist())  # K x [N_k, 3] = (step, b, i)
         loss = states[0].new_zeros((), dtype=torch.float32)
-        stats, agree, valid_all = [], [], []
-        for step, state in enumerate(states):
-            valid = step_valid(batch["loss_mask"], batch["document_ids"], step)  # [B, T]
-            count = valid.sum()
-            rows = valid.nonzero(as_tuple=True)  # (b, i)
-            target_rows = (rows[0], rows[1] + step + 1)
-            hidden = self.draft.norm(state[rows])  # [N, H]
-            row_weight = torch.full_like(hidden[:, 0], self.step_weight**step) / count.clamp(min=1)
+        stats, agree = [], torch.zeros_like(valid)
+        for step, (state, rows) in enumerate(zip(states, all_rows, strict=True)):
+            b, i = rows[:, 1], rows[:, 2]
+            hidden = self.draft.norm(state[b, i])  # [N, H]
+            count = counts[step].clamp(min=1)
+            row_weight = torch.full_like(hidden[:, 0], self.step_weight**step) / count
             step_loss, draft_top1 = fused_soft_cross_entropy(
-                hidden,
-                self.draft.lm_head.weight,
-                target_probs[target_rows],
-                row_weight,
-                compute_dtype,
-                chunk_fn=self.chunk_fn,
+                hidden, lm_head, target_logits[b, i + step + 1], row_weight, weight_c, chunk_fn=self.chunk_fn
             )
             loss = loss + step_loss
-            hit = torch.zeros_like(valid)
-            hit[rows] = self.draft.draft_to_target(draft_top1) == target_top1[target_rows]
+            agree[step, b, i] = self.draft.draft_to_target(draft_top1) == target_top1[b, i + step + 1]
             unweighted = step_loss.detach() * count / self.step_weight**step
-            stats.append(torch.stack([unweighted, hit.sum().float(), count.float()]))
-            agree.append(hit)
-            valid_all.append(valid)
-        return loss, torch.stack(stats), torch.stack(agree), torch.stack(valid_all)
+            stats.append(torch.stack([unweighted, agree[step].sum().float(), counts[step].float()]))
+        return loss, torch.stack(stats), agree, valid
 
 
 def acceptance_counts(agree: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -138,3 +138,28 @@ def train_draft(
         events.record(PHASE, DECISION, f"trained {step} steps; {summary}", digest=checkpoint.digest)
     barrier(group)
     return checkpoint or DraftCheckpoint.load(out_dir)
+
+
+def export_training_state(
+    config: PipelineConfig,
+    hidden_states: HiddenStateSet,
+    vocab_map: VocabMap,
+    target: TargetModel,
+    out_dir: Path,
+    state_file: Path | None = None,
+) -> list[Path]:
+    """Export a resumable training state (default: the newest) as a vLLM/SGLang folder, e.g. to serve an
+    intermediate step while training goes on."""
+    from eagle3_core.training.state import latest_state
+
+    state_file = state_file or latest_state(Path(config.run_dir) / OUT_DIR / STATE_DIR)
+    if state_file is None:
+        raise FileNotFoundError(f"no training state under {Path(config.run_dir) / OUT_DIR / STATE_DIR}")
+    target_config = json.loads((target.root_path / "config.json").read_text())
+    draft_config = DraftConfig.from_target_config(target_config, vocab_map.draft_vocab_size, hidden_states.layer_ids)
+    draft = Eagle3Draft(draft_config)
+    model = torch.load(state_file, map_location="cpu", weights_only=False)["model"]
+    missing, unexpected = draft.load_state_dict({k.removeprefix("draft."): v for k, v in model.items()}, strict=False)
+    if missing != ["embed_tokens.weight"] or unexpected:
+        raise ValueError(f"{state_file}: not a state of this draft (missing {missing}, unexpected {unexpected})")
+    return export_draft(draft, out_dir)

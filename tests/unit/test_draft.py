@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from eagle3_core.draft import DraftConfig, DraftKVCache, Eagle3Draft
-from eagle3_core.training.attention import TTTAttention, document_causal_mask, ttt_attention_eager
+from eagle3_core.training.attention import (
+    TTTAttention,
+    document_causal_mask,
+    merge_diagonal,
+    ttt_attention_eager,
+)
 
 
 def tiny_config(vocab: int = 97, draft_vocab: int = 40) -> DraftConfig:
@@ -138,3 +143,20 @@ def test_embeddings_are_frozen_and_names_match_the_checkpoint_layout() -> None:
     } <= trainable
     assert draft.midlayer.self_attn.q_proj.weight.shape[1] == 2 * draft.config.hidden_size
     assert draft.fc.weight.shape == (32, 96)
+
+
+def test_lse_merge_used_by_flex_matches_reference() -> None:
+    """The GPU path's algebra, on the CPU: step-0 attention (output and log-sum-exp) merged with the
+    chain entries equals the per-query reference."""
+    torch.manual_seed(3)
+    batch, heads, kv_heads, length, dim, steps = 1, 4, 2, 8, 8, 3
+    document_ids = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])
+    q = torch.randn(batch, heads, length, dim, dtype=torch.float64)
+    keys = [torch.randn(batch, kv_heads, length, dim, dtype=torch.float64) for _ in range(steps)]
+    values = [torch.randn(batch, kv_heads, length, dim, dtype=torch.float64) for _ in range(steps)]
+    k0 = keys[0].repeat_interleave(2, 1)
+    scores = (q @ k0.transpose(-1, -2) / dim**0.5).masked_fill(~document_causal_mask(document_ids), float("-inf"))
+    out0 = torch.softmax(scores, -1) @ values[0].repeat_interleave(2, 1)
+    merged = merge_diagonal(q, out0, scores.logsumexp(-1), torch.stack(keys[1:]), torch.stack(values[1:]))
+    want = reference_ttt_attention(q, keys, values, document_ids)
+    torch.testing.assert_close(merged, want, rtol=1e-5, atol=1e-6)  # the merge computes in fp32

@@ -1,0 +1,56 @@
+"""Training under a 2-process gloo group on CPU (what torchrun sets up): DDP and FSDP2 keep every rank's
+draft identical, train it, and the gathered checkpoint resumes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from eagle3_core.config import TrainingConfig
+from eagle3_core.events import RunEvents
+from eagle3_core.serving import free_port
+from tests.unit.test_training_loop import setup, synthetic_data
+
+
+def worker(rank: int, world: int, port: int, sharding: str, out: str) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from eagle3_core.training.distributed import init_group
+    from eagle3_core.training.loop import run_training
+
+    torch.set_num_threads(1)
+    group = init_group("cpu")
+    objective, head = setup()
+    tc = TrainingConfig(max_steps=4, checkpoint_every=2, lr=3e-3, batch_size=1, sharding=sharding)
+    run_training(objective, head, synthetic_data(6), None, tc, Path(out) / "state", group, RunEvents(out))
+    # Each rank's own copy (FSDP2 shards gathered), to show the ranks hold one and the same draft.
+    state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in objective.state_dict().items()}
+    torch.save(state, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
+def test_two_ranks_train_one_draft(tmp_path: Path, sharding: str) -> None:
+    mp.spawn(worker, args=(2, free_port(), sharding, str(tmp_path)), nprocs=2, join=True)
+    rank0 = torch.load(tmp_path / "rank0.pt")
+    rank1 = torch.load(tmp_path / "rank1.pt")
+    initial = setup()[0].state_dict()
+    assert rank0.keys() == rank1.keys()
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), name
+    assert not torch.equal(rank0["draft.fc.weight"], initial["draft.fc.weight"])
+    assert sorted(p.name for p in (tmp_path / "state").glob("step-*.pt")) == ["step-00000002.pt", "step-00000004.pt"]
