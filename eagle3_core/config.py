@@ -164,6 +164,12 @@ class EvaluationConfig(Section):
     lossless_check_prompts: int = Field(
         2, ge=0, description="Prompts per set whose (a) output is compared with plain greedy decoding."
     )
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Torch threads of measurement (a) on a CPU (None: torch's default). 1 avoids OpenMP "
+        "spin-wait stalls when other processes share the cores (100x slower steps were seen at load 20).",
+    )
 
 
 class OrchestrationConfig(Section):

@@ -59,16 +59,25 @@ def collect_prompts(config: PipelineConfig, sample_set: SampleSet | None) -> dic
     return sets
 
 
-def measurement_key(config: PipelineConfig, upstream: dict[str, str], prompts: dict[str, list[EvalPrompt]]) -> str:
-    """Digest of what the measurements depend on; not the guard's floor (a new floor re-judges saved numbers)."""
-    server = config.server.model_dump(mode="json", include=set(SERVER_FIELDS_MEASURED))
+def measurement_keys(
+    config: PipelineConfig, upstream: dict[str, str], prompts: dict[str, list[EvalPrompt]]
+) -> tuple[str, str]:
+    """Digests of what (a) and (b) depend on. Neither includes the guard's floor (a new floor re-judges
+    saved numbers) nor the thread count; (a) leaves out the vLLM-only fields, so it is reused when only
+    those change."""
+    vllm_only = {"with_vllm", "concurrency"}
+    evaluation = config.evaluation.model_dump(mode="json", exclude={"acceptance_floor", "cpu_threads"} | vllm_only)
     fields = {
-        "evaluation": config.evaluation.model_dump(mode="json", exclude={"acceptance_floor"}),
+        "evaluation": evaluation,
         "holdout_fraction": config.sampling.holdout_fraction,
-        "server": server,
         "prompts": {name: [p.id for p in ps] for name, ps in prompts.items()},
     }
-    return sha256_json({"phase": PHASE, "version": FORMAT_VERSION, "config": fields, "upstream": upstream})
+    key_a = sha256_json({"phase": PHASE, "version": FORMAT_VERSION, "config": fields, "upstream": upstream})
+    vllm_fields = {
+        "server": config.server.model_dump(mode="json", include=set(SERVER_FIELDS_MEASURED)),
+        **config.evaluation.model_dump(mode="json", include=vllm_only),
+    }
+    return key_a, sha256_json({"transformers": key_a, **vllm_fields})
 
 
 def load_saved(path: Path, key: str) -> dict[str, Any] | None:
@@ -95,7 +104,7 @@ def run_transformers(
     progress: ProgressCallback,
 ) -> dict[str, Any]:
     """Measurement (a) per prompt set (saved as each set finishes) plus the pooled `all`."""
-    from eagle3_core.evaluation.speculative import measure_prompt_set, pool_prompt_sets
+    from eagle3_core.evaluation.speculative import pool_prompt_sets, torch_threads
 
     evaluation = config.evaluation
     k = max(evaluation.num_speculative_tokens, evaluation.sweep_max_k)
@@ -106,22 +115,42 @@ def run_transformers(
             sets[name] = saved
     todo = [name for name in prompts if name not in sets]
     if todo:
-        model, tokenizer, draft = load_models(config, target, draft_dir, events)
-        for name in todo:
-
-            def report(done: int, name: str = name) -> None:
-                progress(ProgressUpdate(phase=PHASE, stage=f"(a) transformers, {name}", done=done,
-                                        total=len(prompts[name]), unit="prompts"))  # fmt: skip
-
-            sets[name] = measure_prompt_set(
-                model, tokenizer, draft, prompts[name], k, evaluation.max_new_tokens,
-                evaluation.lossless_check_prompts, report,
-            )  # fmt: skip
-            save(eval_dir / f"transformers-{name}.json", key, sets[name])
-        del model, draft
+        with torch_threads(evaluation.cpu_threads):
+            measure_sets(config, target, draft_dir, prompts, todo, k, key, eval_dir, events, progress, sets)
     if len(sets) > 1:
         sets["all"] = pool_prompt_sets(sets)
     return {"k": k, "dtype": evaluation.dtype, "sets": sets}
+
+
+def measure_sets(
+    config: PipelineConfig,
+    target: TargetModel,
+    draft_dir: Path,
+    prompts: dict[str, list[EvalPrompt]],
+    todo: list[str],
+    k: int,
+    key: str,
+    eval_dir: Path,
+    events: RunEvents,
+    progress: ProgressCallback,
+    sets: dict[str, dict[str, Any]],
+) -> None:
+    """Load the models once and measure every set in `todo` into `sets`, saving each as it finishes."""
+    from eagle3_core.evaluation.speculative import measure_prompt_set
+
+    evaluation = config.evaluation
+    model, tokenizer, draft = load_models(config, target, draft_dir, events)
+    for name in todo:
+
+        def report(done: int, name: str = name) -> None:
+            stage = f"(a) transformers, {name}"
+            progress(ProgressUpdate(phase=PHASE, stage=stage, done=done, total=len(prompts[name]), unit="prompts"))
+
+        sets[name] = measure_prompt_set(
+            model, tokenizer, draft, prompts[name], k, evaluation.max_new_tokens,
+            evaluation.lossless_check_prompts, report,
+        )  # fmt: skip
+        save(eval_dir / f"transformers-{name}.json", key, sets[name])
 
 
 def load_models(config: PipelineConfig, target: TargetModel, draft_dir: Path, events: RunEvents):
@@ -201,12 +230,12 @@ def evaluate_draft(
     if sample_set is not None:
         upstream["sample_set"] = sample_set.digest
     prompts = collect_prompts(config, sample_set)
-    key = measurement_key(config, upstream, prompts)
+    key_a, key = measurement_keys(config, upstream, prompts)
     existing = cached_report(eval_dir, key, config.evaluation.acceptance_floor)
     if existing is not None:
         events.record(PHASE, CACHE_HIT, f"evaluation of {draft_dir} already done", path=str(eval_dir))
         return guard(existing)
-    transformers = run_transformers(config, target, draft_dir, prompts, key, eval_dir, events, progress)
+    transformers = run_transformers(config, target, draft_dir, prompts, key_a, eval_dir, events, progress)
     vllm = run_vllm(config, target, draft_dir, prompts, key, eval_dir, events, progress)
     report = build_report(config, target, draft_dir, transformers, vllm, checkpoint, eval_dir, key, upstream)
     report.save()

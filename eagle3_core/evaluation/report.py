@@ -7,6 +7,7 @@ the fault is in how the engine loads or feeds the draft; if both fail, it is the
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,8 @@ def guard_message(
         f"vLLM (b) {fmt(vllm_rate0)}",
         "  " + ", ".join(f"{name}={ids}" for name, ids in layer_ids.items()),
     ]
+    if len({json.dumps(ids) for ids in layer_ids.values()}) > 1:
+        lines.append("  the layer ids differ: the draft reads other target layers than it was trained on")
     if hf_rate0 is not None and vllm_rate0 is not None and (hf_rate0 >= floor) != (vllm_rate0 >= floor):
         lines.append("  (a) and (b) disagree: the mismatch is engine-side (how vLLM loads or feeds the draft)")
     lines.append("likely causes:")

@@ -54,6 +54,18 @@ class DecodeResult:
     timer: StepTimer
 
 
+@contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """Run the block with `count` intra-op threads (None: unchanged), restoring the previous count."""
+    previous = torch.get_num_threads()
+    if count:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

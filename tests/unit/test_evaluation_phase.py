@@ -30,7 +30,7 @@ def make_config(run_dir: Path, **evaluation) -> PipelineConfig:
         "run_dir": str(run_dir),
         "sampling": {"holdout_fraction": 0.5},
         "evaluation": {"max_prompts": 2, "max_new_tokens": 12, "with_vllm": False, "lossless_check_prompts": 1,
-                       **evaluation},
+                       "cpu_threads": 1, **evaluation},
     })  # fmt: skip
 
 
@@ -73,6 +73,12 @@ def test_random_draft_trips_the_guard_after_writing_the_report(setup, tmp_path: 
     assert passed.guard_failure is None and passed.acceptance_length == report.acceptance_length
     assert events.count(RESUME, "evaluation") == 2 and events.count(WEIGHT_LOAD, "evaluation") == 1
     assert "passed" in (eval_dir / "report.md").read_text()
+
+    # A vLLM-only field (concurrency) changes the report's key but not measurement (a)'s.
+    again = evaluate_draft(make_config(tmp_path, acceptance_floor=0.0, concurrency=8), checkpoint, target,
+                           sample_set, events)  # fmt: skip
+    assert again.acceptance_length == report.acceptance_length
+    assert events.count(RESUME, "evaluation") == 4 and events.count(WEIGHT_LOAD, "evaluation") == 1
 
 
 def test_a_held_out_prompt_seen_in_training_fails_before_measuring(setup, tmp_path: Path) -> None:

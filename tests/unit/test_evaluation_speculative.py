@@ -15,6 +15,7 @@ from eagle3_core.evaluation.speculative import (
     load_target,
     render_prompt,
     speculative_generate,
+    torch_threads,
 )
 from eagle3_core.models import default_aux_layer_ids
 from tests.evaluation_fixtures import random_draft, varied_tiny_target
@@ -23,6 +24,13 @@ MESSAGES = [
     [{"role": "user", "content": "Write a Python function that reverses a string."}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}],
 ]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: on a shared 2-core machine two spinning OpenMP threads stall each other."""
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

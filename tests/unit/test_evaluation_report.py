@@ -1,0 +1,58 @@
+"""The acceptance guard's message and the report's rendering of both measurements."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eagle3_core.evaluation.report import guard_message, write_report
+from eagle3_core.evaluation.stats import AcceptanceStats
+
+IDS = {"draft config layer ids": [2, 15, 27], "checkpoint layer ids": [2, 15, 27]}
+
+
+def test_guard_passes_above_the_floor_and_names_causes_below_it() -> None:
+    assert guard_message(0.35, 0.33, 0.2, IDS) is None
+    assert guard_message(0.35, None, 0.2, IDS) is None
+    message = guard_message(0.05, 0.04, 0.2, IDS)
+    assert message is not None
+    assert "transformers (a) 0.050, vLLM (b) 0.040" in message
+    for cause in ("aux layer ids", "weight names", "d2t offsets", "chat template"):
+        assert cause in message
+    assert "engine-side" not in message and "layer ids differ" not in message
+
+
+def test_guard_points_at_the_engine_when_only_vllm_is_low() -> None:
+    message = guard_message(0.4, 0.02, 0.2, IDS)
+    assert message is not None and "engine-side" in message
+
+
+def test_guard_points_at_layer_ids_that_differ_from_training() -> None:
+    ids = {"draft config layer ids": [3, 16, 28], "checkpoint layer ids": [2, 15, 27]}
+    message = guard_message(0.01, None, 0.2, ids)
+    assert message is not None and "[3, 16, 28]" in message and "layer ids differ" in message
+
+
+def summary(guard: str | None) -> dict:
+    a = AcceptanceStats(5, 10, [6, 4, 2, 1, 0])
+    b = AcceptanceStats(3, 12, [7, 4, 2])
+    hf_set = {"prompts": 2, "tokens": 40, "acceptance": a.to_json(), "tau_by_k": a.tau_by_k(), "draft_share": 0.2,
+              "target_share": 0.8, "identical_to_greedy": "2/2"}  # fmt: skip
+    rate = {"tokens": 100, "wall_s": 2.0, "tokens_per_s": 50.0}
+    vllm_set = {"acceptance": b.to_json(), "identical_outputs": "2/2",
+                "batch1": {"draft": rate, "plain": rate, "speedup": 1.25},
+                "concurrent": {"draft": rate, "plain": rate, "speedup": 0.9}}  # fmt: skip
+    return {"draft": "d", "target": "t", "k": 3, "max_new_tokens": 20, "floor": 0.2, "guard": guard,
+            "transformers": {"k": 5, "dtype": "float32", "sets": {"humaneval": hf_set}},
+            "vllm": {"k": 3, "sets": {"humaneval": vllm_set}}}  # fmt: skip
+
+
+def test_report_shows_both_measurements_side_by_side(tmp_path: Path) -> None:
+    markdown, png = write_report(summary(None), tmp_path)
+    text = markdown.read_text()
+    assert f"| humaneval | 2 | {1 + 1.2:.3f} | {1 + 1.3:.3f} | {1 + 13 / 12:.3f} | 1.25 | 0.90 |" in text
+    assert "| humaneval | (a) transformers | 0.600 | 0.400 | 0.200 | 0.100 | 0.000 |" in text
+    assert "| humaneval | (b) vLLM | 0.583 | 0.333 | 0.167 | — | — |" in text
+    assert "Guard**: passed" in text
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
+    failed, _ = write_report(summary("position-0 acceptance below"), tmp_path)
+    assert "**Guard: FAILED**" in failed.read_text()
