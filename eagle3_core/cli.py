@@ -139,10 +139,13 @@ def run_command(
 ) -> None:
     """Run the whole flow locally through Prefect (ephemeral by default, or the server at PREFECT_API_URL);
     completed phases return from cache. Prints the run summary and the acceptance report."""
+    import os
     import time
 
     cfg = resolve_config(config, set_)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
+    # The ephemeral API server gets 20 s to start by default: too little on a busy 2-core machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     start = time.monotonic()
     if nightly:
         from flows.regenerate import regenerate as flow_function

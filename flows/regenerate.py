@@ -3,7 +3,7 @@
 Sampling and extraction resume by id, so only new prompts are sampled and only new samples extracted; the
 draft is trained from the current one (`training.warm_start`), evaluated, and kept as `current` only if its
 acceptance length beats the current drafter's. `current` is a copied folder (not a symlink into `draft/`,
-which the next training overwrites) holding the checkpoint, its eval report and `current.json`.
+which the next training overwrites) holding the exported drafter, its manifests and `current.json`.
 """
 
 from __future__ import annotations
@@ -47,10 +47,11 @@ def load_current(config: PipelineConfig) -> CurrentDrafter | None:
 
 
 def warm_start_config(config: PipelineConfig) -> PipelineConfig:
-    """The config with training warm-started from `current`'s checkpoint, when there is one."""
+    """The config with training warm-started from `current`'s exported drafter, when there is one."""
     if load_current(config) is None or config.training.warm_start is not None:
         return config
-    training = config.training.model_copy(update={"warm_start": str(current_dir(config) / "draft")})
+    exported = current_dir(config) / "draft" / "export"
+    training = config.training.model_copy(update={"warm_start": str(exported)})
     return config.model_copy(update={"training": training})
 
 
@@ -59,13 +60,15 @@ def is_better(report: EvalReport, current: CurrentDrafter | None) -> bool:
 
 
 def promote(config: PipelineConfig, checkpoint: DraftCheckpoint, report: EvalReport) -> Path:
-    """Copy the checkpoint folder and its report to `current.new/`, then swap it in place of `current/`."""
+    """Copy the exported drafter, its checkpoint manifest and its report to `current.new/` (not the
+    training state: it is only for resuming, and large), then swap it in place of `current/`."""
     target = current_dir(config)
     staging = target.with_name(CURRENT + ".new")
     retired = target.with_name(CURRENT + ".old")
     for stale in (staging, retired):
         shutil.rmtree(stale, ignore_errors=True)
-    shutil.copytree(checkpoint.root, staging / "draft")
+    shutil.copytree(Path(checkpoint.root) / "export", staging / "draft" / "export")
+    shutil.copy2(Path(checkpoint.root) / f"{DraftCheckpoint.kind}.json", staging / "draft")
     report.save(staging / f"{EvalReport.kind}.json")
     record = CurrentDrafter(
         acceptance_length=report.acceptance_length,

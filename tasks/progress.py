@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextvars
 import re
+import threading
 import time
 from typing import Any
 from uuid import UUID
@@ -44,18 +45,20 @@ class PrefectProgress:
         self.logger = get_run_logger()
         self.artifacts: dict[tuple[str, str], UUID] = {}
         self.last_sent: dict[tuple[str, str], float] = {}
+        self.lock = threading.Lock()  # updates arrive from several threads; one artifact per stage
 
     def __call__(self, update: ProgressUpdate) -> None:
         key = (update.phase, update.stage)
         finished = update.total is not None and update.done >= update.total
-        now = time.monotonic()
-        if not finished and now - self.last_sent.get(key, -float("inf")) < self.interval_s:
-            return
-        self.last_sent[key] = now
-        try:
-            self.context.copy().run(self.send, key, update)
-        except Exception as exc:
-            self.logger.warning("progress artifact not updated: %s", exc)
+        with self.lock:
+            now = time.monotonic()
+            if not finished and now - self.last_sent.get(key, -float("inf")) < self.interval_s:
+                return
+            self.last_sent[key] = now
+            try:
+                self.context.copy().run(self.send, key, update)
+            except Exception as exc:
+                self.logger.warning("progress artifact not updated: %s", exc)
 
     def send(self, key: tuple[str, str], update: ProgressUpdate) -> Any:
         percent = min(100.0, update.percent) if update.percent is not None else 0.0

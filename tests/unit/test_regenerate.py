@@ -1,0 +1,51 @@
+"""The nightly flow's promotion rules, on real files (no Prefect run, no engine): the better drafter
+becomes `current` as a copied folder, and the next run warm-starts from its export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eagle3_core.artifacts import DraftCheckpoint, EvalReport, FileRecord
+from eagle3_core.config import PipelineConfig
+from flows.regenerate import current_dir, is_better, load_current, promote, warm_start_config
+
+
+def fake_checkpoint(run_dir: Path, weights: bytes) -> DraftCheckpoint:
+    root = run_dir / "draft"
+    (root / "export").mkdir(parents=True, exist_ok=True)
+    (root / "state").mkdir(exist_ok=True)
+    (root / "export" / "model.safetensors").write_bytes(weights)
+    (root / "state" / "optimizer.pt").write_bytes(b"large and only for resuming")
+    checkpoint = DraftCheckpoint(root=str(root), files=[FileRecord.of(root / "export" / "model.safetensors", root)])
+    checkpoint.save()
+    return checkpoint
+
+
+def report(run_dir: Path, tau: float) -> EvalReport:
+    return EvalReport(root=str(run_dir / "eval"), acceptance_length=tau, per_position=[tau - 1])
+
+
+def test_promotion_keeps_the_better_drafter_and_warm_starts_from_it(tmp_path: Path):
+    config = PipelineConfig(run_dir=tmp_path / "run")
+    assert warm_start_config(config) is config
+    first = fake_checkpoint(config.run_dir, b"first")
+    assert is_better(report(config.run_dir, 1.4), None)
+    promote(config, first, report(config.run_dir, 1.4))
+    current = load_current(config)
+    assert current is not None and current.acceptance_length == 1.4
+    assert current.checkpoint_digest == first.digest
+    assert (current_dir(config) / "draft" / "export" / "model.safetensors").read_bytes() == b"first"
+    assert not (current_dir(config) / "draft" / "state").exists()
+    assert DraftCheckpoint.load(current_dir(config) / "draft").digest == first.digest
+
+    warm = warm_start_config(config)
+    assert warm.training.warm_start == str(current_dir(config) / "draft" / "export")
+    assert config.training.warm_start is None
+
+    assert not is_better(report(config.run_dir, 1.3), current)
+    second = fake_checkpoint(config.run_dir, b"second")
+    assert is_better(report(config.run_dir, 1.6), current)
+    promote(config, second, report(config.run_dir, 1.6))
+    assert load_current(config).acceptance_length == 1.6
+    assert (current_dir(config) / "draft" / "export" / "model.safetensors").read_bytes() == b"second"
+    assert sorted(p.name for p in config.run_dir.iterdir()) == ["current", "draft"]
