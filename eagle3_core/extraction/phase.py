@@ -111,6 +111,28 @@ def cached_manifest(out_dir: Path, config: dict, upstream: dict) -> HiddenStateS
 
 
 @contextmanager
+def open_hf_backend(
+    config: PipelineConfig, target: TargetModel, layer_ids: list[int], events: RunEvents, progress: ProgressCallback
+) -> Iterator[Any]:
+    """Load the target with transformers (one full weight load) and release it on exit."""
+    import torch
+
+    from eagle3_core.extraction.hf_backend import HfBackend, load_decoder, resolve_device
+
+    device = resolve_device(config.extraction.device)
+    message = f"loading {target.name} on {device}"
+    progress(ProgressUpdate(phase=PHASE, stage="weight load", done=0, total=100, unit="%", message=message))
+    with events.weight_load(PHASE, f"{target.name} (transformers, {device})"):
+        decoder = load_decoder(target.root_path, getattr(torch, config.target.dtype), device)
+    progress(ProgressUpdate(phase=PHASE, stage="weight load", done=100, total=100, unit="%"))
+    backend = HfBackend(decoder, layer_ids, config.extraction.batch_size, config.extraction.dtype)
+    try:
+        yield backend
+    finally:
+        backend.close()
+
+
+@contextmanager
 def open_backend(
     config: PipelineConfig,
     target: TargetModel,
@@ -120,31 +142,10 @@ def open_backend(
     server: Any,
     max_tokens: int,
 ) -> Iterator[Any]:
-    """Start the configured backend (one full weight load) and stop it on exit."""
+    """Start the configured backend (one full weight load, none when `server` is handed in); stop it on exit."""
     if config.extraction.backend == "hf":
-        import torch
-
-        from eagle3_core.extraction.hf_backend import HfBackend, load_decoder, resolve_device
-
-        device = resolve_device(config.extraction.device)
-        progress(
-            ProgressUpdate(
-                phase=PHASE,
-                stage="weight load",
-                done=0,
-                total=100,
-                unit="%",
-                message=f"loading {target.name} on {device}",
-            )
-        )
-        with events.weight_load(PHASE, f"{target.name} (transformers, {device})"):
-            decoder = load_decoder(target.root_path, getattr(torch, config.target.dtype), device)
-        progress(ProgressUpdate(phase=PHASE, stage="weight load", done=100, total=100, unit="%"))
-        backend = HfBackend(decoder, layer_ids, config.extraction.batch_size, config.extraction.dtype)
-        try:
+        with open_hf_backend(config, target, layer_ids, events, progress) as backend:
             yield backend
-        finally:
-            backend.close()
     else:
         from eagle3_core.extraction.vllm_backend import open_vllm_backend
 
