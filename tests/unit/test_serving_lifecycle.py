@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eagle3_core import serving
+from eagle3_core import server_processes, serving
 from eagle3_core.config import ServerConfig
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.progress import ProgressUpdate
@@ -89,7 +89,7 @@ def child_pid(tmp_path: Path) -> int:
 
 
 def gone(pid: int) -> bool:
-    return not psutil.pid_exists(pid) or not serving.alive(psutil.Process(pid))
+    return not psutil.pid_exists(pid) or not server_processes.alive(psutil.Process(pid))
 
 
 def test_start_reports_progress_records_events_and_stop_leaves_nothing(tmp_path, fake_engine):
@@ -145,7 +145,7 @@ def test_worker_ignoring_sigterm_is_killed_after_grace(tmp_path, fake_engine):
     server.start()
     worker = psutil.Process(child_pid(tmp_path))
     server.stop()
-    assert not serving.alive(worker)
+    assert not server_processes.alive(worker)
     (stop,) = [e for e in events.read() if e["event"] == ENGINE_STOP]
     assert stop["sigkill"] is True and worker.pid in stop["processes"]
 
@@ -182,7 +182,7 @@ def test_stop_server_hook_stops_by_pid_file(tmp_path, fake_engine):
     worker = psutil.Process(child_pid(tmp_path))
     stopped = serving.stop_server(server.pid_file, grace_s=5)
     assert worker.pid in stopped and server.process.pid in stopped
-    assert not serving.alive(worker) and not server.pid_file.exists()
+    assert not server_processes.alive(worker) and not server.pid_file.exists()
     assert serving.stop_server(server.pid_file) == set()
 
 

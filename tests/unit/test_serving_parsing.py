@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_core import serving
+from eagle3_core import server_processes, serving
 from eagle3_core.config import ServerConfig
 
 WORKER = "(Worker_TP0 pid=340648) "
@@ -97,18 +97,18 @@ def test_stall_clock_restarts_only_on_new_output(tmp_path, monkeypatch):
 
 def test_parse_compute_apps():
     text = "340648, 71370\n340649, 71002\nNo running processes found\n"
-    assert serving.parse_compute_apps(text) == {340648: 71370, 340649: 71002}
+    assert server_processes.parse_compute_apps(text) == {340648: 71370, 340649: 71002}
 
 
 def test_gpu_release_waits_then_passes():
     answers = iter([{11: 500, 99: 10}, {11: 20}, {99: 10}])
-    serving.wait_gpu_release({11, 12}, timeout_s=10, query=lambda: next(answers))
+    server_processes.wait_gpu_release({11, 12}, timeout_s=10, query=lambda: next(answers))
 
 
 def test_gpu_release_timeout_names_pids_still_holding():
     with pytest.raises(serving.ServerError, match=r"pid 12 \(700 MiB\)"):
-        serving.wait_gpu_release({11, 12}, timeout_s=0.6, query=lambda: {12: 700, 99: 1})
+        server_processes.wait_gpu_release({11, 12}, timeout_s=0.6, query=lambda: {12: 700, 99: 1})
 
 
 def test_no_gpu_means_nothing_to_wait_for():
-    serving.wait_gpu_release({1}, timeout_s=0, query=lambda: None)
+    server_processes.wait_gpu_release({1}, timeout_s=0, query=lambda: None)

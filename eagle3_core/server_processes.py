@@ -1,0 +1,139 @@
+"""The processes of a started server: find the whole tree (workers included, even orphaned ones), stop
+it (SIGTERM to the process group, SIGKILL after a grace period, verify none survives) and, on CUDA GPUs,
+wait until its memory is released so the next phase's engine can load. `stop_server(pid_file)` is what
+crash and cancel hooks call."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+POLL_S = 0.5
+
+
+class ServerError(RuntimeError):
+    """The server could not be started or stopped; the message carries the log's last lines."""
+
+
+def has_cuda_gpus() -> bool:
+    return shutil.which("nvidia-smi") is not None and gpu_compute_apps() is not None
+
+
+def gpu_compute_apps() -> dict[int, int] | None:
+    """pid -> MiB for every process holding GPU memory (nvidia-smi), or None where there is no GPU."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_compute_apps(out)
+
+
+def parse_compute_apps(text: str) -> dict[int, int]:
+    apps: dict[int, int] = {}
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 2 and fields[0].isdigit():
+            apps[int(fields[0])] = int(fields[1]) if fields[1].isdigit() else 0
+    return apps
+
+
+def wait_gpu_release(
+    pids: set[int],
+    timeout_s: float,
+    query: Callable[[], dict[int, int] | None] = gpu_compute_apps,
+) -> None:
+    """Wait until none of `pids` holds GPU memory any more; the timeout names those that still do."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        apps = query()
+        holding = {pid: mib for pid, mib in (apps or {}).items() if pid in pids}
+        if not holding:
+            return
+        if time.monotonic() >= deadline:
+            held = ", ".join(f"pid {pid} ({mib} MiB)" for pid, mib in sorted(holding.items()))
+            raise ServerError(f"GPU memory not released {timeout_s:.0f} s after the server stopped: {held}")
+        time.sleep(POLL_S)
+
+
+def alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def server_processes(pid: int, pgid: int, started: float) -> list[psutil.Process]:
+    """The server's process tree: the root, its descendants, and anything left in its process group
+    (workers whose parent already died are re-parented but keep the group). Processes created before the
+    server are pid-reuse impostors and excluded."""
+    found: dict[int, psutil.Process] = {}
+    try:
+        root = psutil.Process(pid)
+        if root.create_time() <= started + 1:
+            found[pid] = root
+            found.update({c.pid: c for c in root.children(recursive=True)})
+    except psutil.NoSuchProcess:
+        pass
+    for proc in psutil.process_iter(["pid", "create_time"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["create_time"] >= started - 1:
+                found.setdefault(proc.pid, proc)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return [p for p in found.values() if alive(p)]
+
+
+def kill_tree(pid: int, pgid: int, started: float, grace_s: float) -> tuple[set[int], bool]:
+    """SIGTERM the whole group, SIGKILL whatever is left after `grace_s`; raise if anything survives.
+    Returns (every pid of the tree, whether SIGKILL was needed)."""
+    procs = server_processes(pid, pgid, started)
+    pids = {p.pid for p in procs}
+    signal_group(pgid, signal.SIGTERM, procs)
+    _, remaining = psutil.wait_procs(procs, timeout=grace_s)
+    remaining = [p for p in remaining if alive(p)]
+    if remaining:
+        signal_group(pgid, signal.SIGKILL, remaining)
+        psutil.wait_procs(remaining, timeout=10)
+    survivors = [p.pid for p in server_processes(pid, pgid, started)]
+    if survivors:
+        raise ServerError(f"server processes still alive after SIGKILL: {survivors}")
+    return pids, bool(remaining)
+
+
+def signal_group(pgid: int, sig: signal.Signals, procs: list[psutil.Process]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            continue
+
+
+def stop_server(pid_file: Path, grace_s: float = 30, gpu_release_timeout_s: float = 120) -> set[int]:
+    """Stop the server a pid file names (crash and cancel hooks use this) and remove the file.
+    Returns the pids that were stopped (empty when it was already gone)."""
+    pid_file = Path(pid_file)
+    if not pid_file.exists():
+        return set()
+    info = json.loads(pid_file.read_text())
+    pids, _ = kill_tree(info["pid"], info["pgid"], info["started"], grace_s)
+    if pids:
+        wait_gpu_release(pids, gpu_release_timeout_s)
+    pid_file.unlink(missing_ok=True)
+    return pids
