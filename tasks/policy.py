@@ -122,6 +122,10 @@ DETERMINISTIC = (
     ValueError,  # bad input, ConfigError and pydantic's ValidationError included
     TypeError,
     KeyError,
+    AttributeError,  # a bug fails the same way every time
+    NameError,
+    ImportError,
+    NotImplementedError,
     FileNotFoundError,
     NotADirectoryError,
     IsADirectoryError,
