@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+Weights = dict[str, torch.Tensor]
+"""Projection matrices of the draft layer by name (q_proj, ..., down_proj), in the compute dtype."""
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(q [B,Hq,T,D], k [B,Hkv,T,D], v [B,Hkv,T,D]) -> attention output [B,Hq,T,D]."""
 
@@ -126,19 +128,19 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: Weights
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, 2H] -> q [B, Hq, T, D], k, v [B, Hkv, T, D], rotary applied to q and k."""
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = F.linear(x, weights["q_proj"]).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+        k = F.linear(x, weights["k_proj"]).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = F.linear(x, weights["v_proj"]).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def output(self, out: torch.Tensor) -> torch.Tensor:
+    def output(self, out: torch.Tensor, weights: Weights) -> torch.Tensor:
         """out [B, Hq, T, D] -> [B, T, H]."""
         batch, _, length, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
+        return F.linear(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim), weights["o_proj"])
 
 
 class DraftMLP(nn.Module):
@@ -148,8 +150,9 @@ class DraftMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:
+        gate, up = F.linear(x, weights["gate_proj"]), F.linear(x, weights["up_proj"])
+        return F.linear(F.silu(gate) * up, weights["down_proj"])
 
 
 class DraftLayer(nn.Module):
@@ -164,25 +167,46 @@ class DraftLayer(nn.Module):
         self.mlp = DraftMLP(config)
         self.rope_theta = config.rope_theta
 
+    def projection_weights(self, dtype: torch.dtype) -> Weights:
+        """The layer's projection matrices in the compute dtype, cast ONCE per train-time-test unroll and
+        shared by its steps. (Cast inside each compiled step instead, every step would pay a cast forward
+        and an fp32 cast + accumulate of its weight gradient backward; shared, autograd sums the steps'
+        bf16 gradients once, as autocast's own weight cache does in eager mode.)"""
+        modules = {**dict(self.self_attn.named_children()), **dict(self.mlp.named_children())}
+        return {name: module.weight.to(dtype) for name, module in modules.items()}
+
     def attention_inputs(
-        self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor
+        self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, weights: Weights
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden, embeds [B, T, H], positions [B, T] -> q, k, v of [norm(embeds); norm(hidden)]."""
         cos, sin = rotary_cos_sin(positions, self.self_attn.head_dim, self.rope_theta)
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-        return self.self_attn.project(x, cos, sin)
+        return self.self_attn.project(x.to(weights["q_proj"].dtype), cos, sin, weights)
 
-    def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    def finish(self, hidden: torch.Tensor, attended: torch.Tensor, weights: Weights) -> torch.Tensor:
         """Residual + o_proj, then the MLP block: the pre-norm output [B, T, H]."""
-        hidden = hidden + self.self_attn.output(attended)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.self_attn.output(attended.to(weights["o_proj"].dtype), weights)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden).to(weights["gate_proj"].dtype), weights)
 
     def forward(
-        self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attend: Attend
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        weights: Weights | None = None,
     ) -> torch.Tensor:
         """hidden, embeds [B, T, H] -> pre-norm output [B, T, H] (the state fed to the next draft step)."""
-        q, k, v = self.attention_inputs(hidden, embeds, positions)
-        return self.finish(hidden, attend(q, k, v))
+        weights = weights if weights is not None else self.projection_weights(compute_dtype(self.mlp.up_proj.weight))
+        q, k, v = self.attention_inputs(hidden, embeds, positions, weights)
+        return self.finish(hidden, attend(q, k, v), weights)
+
+
+def compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """bf16 under CUDA autocast, else the weight's own dtype."""
+    if weight.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return weight.dtype
 
 
 @dataclass
@@ -221,7 +245,7 @@ class Eagle3Draft(nn.Module):
     # ---- building blocks -------------------------------------------------------------------------------
     def combine_aux(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [..., 3, Ht] -> fc(concat) [..., H]."""
-        return self.fc(aux.flatten(-2).to(self.fc.weight.dtype))
+        return self.fc(aux.flatten(-2).to(compute_dtype(self.fc.weight)))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -231,9 +255,14 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(self.norm(prenorm))
 
     def layer(
-        self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attend: Attend
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        weights: Weights | None = None,
     ) -> torch.Tensor:
-        return self.midlayer(hidden, embeds, positions, attend)
+        return self.midlayer(hidden, embeds, positions, attend, weights)
 
     def compile_blocks(self) -> None:
         """torch.compile the layer's dense blocks around attention (norms, projections, rotary, MLP):
@@ -276,10 +305,11 @@ class Eagle3Draft(nn.Module):
         # the padding only reaches indices whose predicted token lies past the end, never scored.
         embeds = self.embed(F.pad(input_ids, (0, ttt_steps)))  # [B, T + K, H]
         hidden = self.combine_aux(aux)  # [B, T, H]
+        weights = self.midlayer.projection_weights(compute_dtype(self.fc.weight))
         states = []
         for step in range(ttt_steps):  # step 0: target states; step k > 0: the draft's own step k-1 output
             step_embeds = embeds[:, step + 1 : step + 1 + length]
-            hidden = self.layer(hidden, step_embeds, position_ids + step, attend)
+            hidden = self.layer(hidden, step_embeds, position_ids + step, attend, weights)
             states.append(hidden)
         return states
 

@@ -191,13 +191,17 @@ class TTTObjective(nn.Module):
         all_rows = valid.nonzero().split(counts.tolist())  # K x [N_k, 3] = (step, b, i)
         loss = states[0].new_zeros((), dtype=torch.float32)
         stats, agree = [], torch.zeros_like(valid)
+        batch_size, length = valid.shape[1:]
+        flat_logits = target_logits.view(batch_size * length, -1)  # [B*T, Vd]
         for step, (state, rows) in enumerate(zip(states, all_rows, strict=True)):
             b, i = rows[:, 1], rows[:, 2]
-            hidden = self.draft.norm(state[b, i])  # [N, H]
+            flat = b * length + i  # row index in [B*T]; index_select copies whole rows (fast gather)
+            hidden = self.draft.norm(state.reshape(batch_size * length, -1).index_select(0, flat))  # [N, H]
             count = counts[step].clamp(min=1)
             row_weight = torch.full_like(hidden[:, 0], self.step_weight**step) / count
+            targets = flat_logits.index_select(0, flat + step + 1)  # [N, Vd]
             step_loss, draft_top1 = fused_soft_cross_entropy(
-                hidden, lm_head, target_logits[b, i + step + 1], row_weight, weight_c, chunk_fn=self.chunk_fn
+                hidden, lm_head, targets, row_weight, weight_c, chunk_fn=self.chunk_fn
             )
             loss = loss + step_loss
             agree[step, b, i] = self.draft.draft_to_target(draft_top1) == target_top1[b, i + step + 1]
