@@ -183,6 +183,7 @@ def sample_command(config: ConfigOption = None, set_: SetOption = None) -> None:
     from eagle3_core.target import prepare_target
 
     cfg = resolve_config(config, set_)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one log line per request otherwise
     events = run_events(cfg)
     target = prepare_target(cfg.target, events)
     try:

@@ -229,25 +229,15 @@ def sample_prompts(
     work = [(i, p) for i, p in enumerate(prompts) if p.id not in kept]
     if work:
         writer = PartWriter(out_dir, config.sampling.rows_per_part)
-        on_row = RowProgress(progress, len(kept), len(prompts))
+        counts = RowProgress(progress, len(kept), len(prompts))
         try:
             if server is None:
                 with open_server(config.server, target.root, config.run_dir, events, progress, PHASE) as own:
-                    sample_with(own, config, target, work, writer, on_row)
+                    sample_with(own, config, target, work, writer, counts, events)
             else:
-                sample_with(server, config, target, work, writer, on_row)
+                sample_with(server, config, target, work, writer, counts, events)
         finally:
             writer.flush()
-        seconds = time.monotonic() - on_row.meter.start
-        events.record(
-            PHASE,
-            DECISION,
-            f"sampled {len(work)} prompts in {seconds:.0f} s: {on_row.errors} errors, {on_row.tokens} tokens",
-            prompts=len(work),
-            errors=on_row.errors,
-            completion_tokens=on_row.tokens,
-            seconds=seconds,
-        )
     return finish_sample_set(out_dir, key, target, prompts)
 
 
@@ -257,13 +247,28 @@ def sample_with(
     target: TargetModel,
     work: list[tuple[int, Prompt]],
     writer: PartWriter,
-    on_row: RowProgress,
+    counts: RowProgress,
+    events: RunEvents,
 ) -> None:
+    """Sample `work` on a running server, each row to `writer` and `counts` as it completes."""
+
     def record(row: dict[str, Any]) -> None:
         writer.add(row)
-        on_row(row)
+        counts(row)
 
     sampler = Sampler(
         server.base_url, server.api_key, config.sampling, ChatTokenizer(target.root), config.server.max_model_len
     )
+    counts.meter = RateMeter()  # tokens/s of sampling alone, not of the engine start before it
     asyncio.run(sampler.run(work, record))
+    seconds = time.monotonic() - counts.meter.start
+    events.record(
+        PHASE,
+        DECISION,
+        f"sampled {len(work)} prompts in {seconds:.0f} s: {counts.errors} errors, "
+        f"{counts.meter.rate(counts.tokens):.0f} completion tokens/s",
+        prompts=len(work),
+        errors=counts.errors,
+        completion_tokens=counts.tokens,
+        seconds=seconds,
+    )
