@@ -141,6 +141,8 @@ def run_training(
     if resume_from is not None:
         restored = load_state(resume_from, module, optimizer, scheduler)
         step, history = restored["step"], restored["history"]
+        if restored["position"] != {"epoch": step // steps_per_epoch, "batch": step % steps_per_epoch}:
+            raise ValueError(f"{resume_from}: saved data position {restored['position']} does not fit this data")
         if group.is_main:
             events.record(PHASE, RESUME, f"resuming at step {step} of {total} from {resume_from.name}", step=step)
     elif val_data is not None and len(val_data):

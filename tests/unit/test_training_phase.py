@@ -8,12 +8,14 @@ import json
 import pytest
 import torch
 from extraction_fixtures import build_sample_set
+from safetensors.torch import load_file
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.draft import DraftKVCache, Eagle3Draft
 from eagle3_core.events import CACHE_HIT, RunEvents
 from eagle3_core.extraction import extract_hidden_states
 from eagle3_core.training import train_draft
+from eagle3_core.training.phase import export_training_state
 from eagle3_core.vocab import StaleVocabMap, build_vocab_map
 
 
@@ -53,6 +55,9 @@ def test_train_draft_end_to_end(request, tmp_path, sample_set, target_name) -> N
     tokens, _ = draft.propose(DraftKVCache(), torch.randn(5, 3, target.hidden_size), torch.arange(5), 3)
     assert bool(draft.t2d[tokens].all())
     assert (checkpoint.root_path / "state" / "step-00000004.pt").exists()
+    export_training_state(config, hidden, vocab_map, target, tmp_path / "re-export")  # newest state = final
+    exported, again = load_file(export / "model.safetensors"), load_file(tmp_path / "re-export" / "model.safetensors")
+    assert exported.keys() == again.keys() and all(torch.equal(exported[k], again[k]) for k in exported)
 
     again = train_draft(config, hidden, vocab_map, target, events)
     assert again.digest == checkpoint.digest and events.count(CACHE_HIT, "training") == 1
