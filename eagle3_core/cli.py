@@ -200,3 +200,70 @@ def sample_command(config: ConfigOption = None, set_: SetOption = None) -> None:
     )
     for prompt_id, reason in list(sample_set.errors.items())[:5]:
         console.print(f"  error {prompt_id}: {reason}", highlight=False, markup=False)
+
+
+@app.command("vocab")
+def vocab_command(
+    samples: Annotated[
+        Path | None, typer.Option("--samples", help="SampleSet folder (default: <run_dir>/samples).")
+    ] = None,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+) -> None:
+    """Build the draft vocabulary from loss-masked tokens of the training rows (reused only for the same
+    SampleSet); prints its size and coverage."""
+    from eagle3_core.artifacts import SampleSet
+    from eagle3_core.target import prepare_target
+    from eagle3_core.vocab import build_vocab_map
+
+    cfg = resolve_config(config, set_)
+    events = run_events(cfg)
+    sample_set = SampleSet.load(samples or cfg.run_dir / "samples")
+    vocab_map = build_vocab_map(cfg, sample_set, prepare_target(cfg.target, events), events)
+    console.print(
+        f"draft vocabulary {vocab_map.draft_vocab_size} of {vocab_map.target_vocab_size} tokens, coverage "
+        f"{vocab_map.coverage:.2%}; {vocab_map.root}",
+        highlight=False,
+    )
+
+
+@app.command("train")
+def train_command(config: ConfigOption = None, set_: SetOption = None) -> None:
+    """Train the draft on <run_dir>/hidden_states with <run_dir>/vocab (resumes from the newest training
+    state); exports the vLLM-loadable folder to <run_dir>/draft/export. Under torchrun: one process per GPU."""
+    from eagle3_core.artifacts import HiddenStateSet, VocabMap
+    from eagle3_core.progress import rich_progress
+    from eagle3_core.target import prepare_target
+    from eagle3_core.training import train_draft
+
+    cfg = resolve_config(config, set_)
+    events = run_events(cfg)
+    hidden = HiddenStateSet.load(cfg.run_dir / "hidden_states")
+    vocab_map = VocabMap.load(cfg.run_dir / "vocab")
+    target = prepare_target(cfg.target, events)
+    with rich_progress() as progress:
+        checkpoint = train_draft(cfg, hidden, vocab_map, target, events, progress=progress)
+    metrics = {k: round(v, 4) for k, v in checkpoint.metrics.items() if k.startswith(("val_", "initial_val_top1"))}
+    console.print(f"trained {checkpoint.step} steps; {metrics}; {checkpoint.path_of('export')}", highlight=False)
+
+
+@app.command("export")
+def export_command(
+    out: Annotated[Path, typer.Option("--out", help="Folder to write config.json + model.safetensors to.")],
+    state: Annotated[
+        Path | None, typer.Option("--state", help="Training state file (default: the newest).")
+    ] = None,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+) -> None:
+    """Export a training state (e.g. an intermediate step) as an EAGLE-3 folder vLLM and SGLang load."""
+    from eagle3_core.artifacts import HiddenStateSet, VocabMap
+    from eagle3_core.target import prepare_target
+    from eagle3_core.training.phase import export_training_state
+
+    cfg = resolve_config(config, set_)
+    hidden = HiddenStateSet.load(cfg.run_dir / "hidden_states")
+    vocab_map = VocabMap.load(cfg.run_dir / "vocab")
+    target = prepare_target(cfg.target, run_events(cfg))
+    paths = export_training_state(cfg, hidden, vocab_map, target, out, state)
+    console.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
