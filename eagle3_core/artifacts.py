@@ -193,10 +193,14 @@ class DraftCheckpoint(Manifest):
 class EvalReport(Manifest):
     kind: ClassVar[str] = "eval_report"
     num_speculative_tokens: int = Field(3, description="k, draft tokens per step.")
-    acceptance_length: float = Field(0.0, description="Tokens per target verification step (measurement a).")
-    per_position: list[float] = Field(default_factory=list, description="Acceptance rate per position (a).")
+    acceptance_length: float = Field(
+        0.0, description="Tokens per target verification step: measurement (a), or (b) where (a) is off."
+    )
+    per_position: list[float] = Field(
+        default_factory=list, description="Acceptance rate per position: (a), or (b) where (a) is off."
+    )
     speedup: float | None = Field(None, description="Output tokens/s with the drafter over without.")
-    tau_by_k: list[float] = Field(default_factory=list, description="(a): tau for k = 1, 2, ... (derived).")
+    tau_by_k: list[float] = Field(default_factory=list, description="(a): tau for k = 1..k_a (derived).")
     vllm_acceptance_length: float | None = Field(None, description="Tokens per target step in vLLM (b).")
     vllm_per_position: list[float] = Field(default_factory=list, description="Acceptance rate per position (b).")
     guard_failure: str | None = Field(None, description="Why the acceptance guard failed; None if it passed.")

@@ -170,6 +170,11 @@ class EvaluationConfig(Section):
         description="Torch threads of measurement (a) on a CPU (None: torch's default). 1 avoids OpenMP "
         "spin-wait stalls when other processes share the cores (100x slower steps were seen at load 20).",
     )
+    with_transformers: bool = Field(
+        True,
+        description="Measure (a) in transformers, which loads the whole target in this process; turn off for "
+        "targets that fit only under vLLM tensor parallelism (the guard then judges (b) alone).",
+    )
 
 
 class OrchestrationConfig(Section):

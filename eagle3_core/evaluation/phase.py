@@ -108,6 +108,9 @@ def run_transformers(
 
     evaluation = config.evaluation
     k = max(evaluation.num_speculative_tokens, evaluation.sweep_max_k)
+    if not evaluation.with_transformers:
+        events.record(PHASE, DECISION, "measurement (a) skipped: evaluation.with_transformers is false")
+        return {"k": k, "dtype": evaluation.dtype, "sets": {}, "skipped": "evaluation.with_transformers is false"}
     sets: dict[str, dict[str, Any]] = {}
     for name in prompts:
         if (saved := load_saved(eval_dir / f"transformers-{name}.json", key)) is not None:
@@ -204,13 +207,17 @@ def run_vllm(
     return result
 
 
-def headline(measurement: dict[str, Any], k: int) -> AcceptanceStats | None:
-    """Pooled acceptance of a measurement, cut to the configured k."""
+def pooled(measurement: dict[str, Any]) -> AcceptanceStats | None:
+    """Acceptance of a measurement over all its prompt sets, at the k it ran with; None if not measured."""
     sets = measurement.get("sets") or {}
-    pooled = sets.get("all") or next(iter(sets.values()), None)
-    if pooled is None:
-        return None
-    return AcceptanceStats.from_json(pooled["acceptance"]).truncated(k)
+    result = sets.get("all") or next(iter(sets.values()), None)
+    return AcceptanceStats.from_json(result["acceptance"]) if result else None
+
+
+def headline(measurement: dict[str, Any], k: int) -> AcceptanceStats | None:
+    """Pooled acceptance of a measurement, cut to the configured k (see `AcceptanceStats.tau_for_k`)."""
+    stats = pooled(measurement)
+    return stats.truncated(k) if stats else None
 
 
 def evaluate_draft(
@@ -229,6 +236,8 @@ def evaluate_draft(
     upstream = {"draft_checkpoint": checkpoint.digest, "target_model": target.digest}
     if sample_set is not None:
         upstream["sample_set"] = sample_set.digest
+    if not (config.evaluation.with_transformers or config.evaluation.with_vllm):
+        raise ValueError("evaluation.with_transformers and evaluation.with_vllm are both false: nothing to measure")
     prompts = collect_prompts(config, sample_set)
     key_a, key = measurement_keys(config, upstream, prompts)
     existing = cached_report(eval_dir, key, config.evaluation.acceptance_floor)
@@ -275,10 +284,10 @@ def build_report(
         config={"key": key, "evaluation": evaluation.model_dump(mode="json")},
         upstream=upstream,
         num_speculative_tokens=k,
-        acceptance_length=hf_stats.acceptance_length if hf_stats else 0.0,
-        per_position=hf_stats.per_position if hf_stats else [],
+        acceptance_length=(hf_stats or vllm_stats or AcceptanceStats(k)).acceptance_length,
+        per_position=(hf_stats or vllm_stats or AcceptanceStats(k)).per_position,
         speedup=vllm_all.get("batch1", {}).get("speedup"),
-        tau_by_k=(transformers["sets"].get("all") or next(iter(transformers["sets"].values())))["tau_by_k"],
+        tau_by_k=hf_all.tau_by_k() if (hf_all := pooled(transformers)) else [],
         vllm_acceptance_length=vllm_stats.acceptance_length if vllm_stats else None,
         vllm_per_position=vllm_stats.per_position if vllm_stats else [],
         guard_failure=failure,

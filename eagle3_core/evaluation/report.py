@@ -77,9 +77,20 @@ def guard_lines(summary: dict[str, Any]) -> list[str]:
     return ["**Guard: FAILED**", "", "```", summary["guard"], "```"]
 
 
+def set_names(summary: dict[str, Any]) -> list[str]:
+    """Prompt sets measured by (a) or (b), in order, `all` last."""
+    names = list((summary["transformers"].get("sets") or {}) | ((summary.get("vllm") or {}).get("sets") or {}))
+    return sorted(names, key=lambda name: name == "all")
+
+
+def measured(summary: dict[str, Any], engine: str, name: str) -> dict[str, Any]:
+    """One prompt set's result of `transformers` (a) or `vllm` (b); {} when not measured."""
+    return ((summary.get(engine) or {}).get("sets") or {}).get(name, {})
+
+
 def markdown_report(summary: dict[str, Any]) -> str:
     """The report as markdown, from the evaluation summary (see `evaluate_draft`)."""
-    hf, vllm, k = summary["transformers"], summary.get("vllm") or {}, summary["k"]
+    hf, k, names = summary["transformers"], summary["k"], set_names(summary)
     lines = [
         f"# EAGLE-3 draft evaluation: {summary['draft']}",
         "",
@@ -95,12 +106,12 @@ def markdown_report(summary: dict[str, Any]) -> str:
         "(b) speedup batch 1 | (b) speedup concurrent |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, a in hf["sets"].items():
-        b = vllm.get("sets", {}).get(name, {})
+    for name in names:
+        a, b = measured(summary, "transformers", name), measured(summary, "vllm", name)
         lines.append(
-            f"| {name} | {a['prompts']} | {fmt(a['tau_by_k'][k - 1])} | {fmt(_tau(a['acceptance']))} | "
-            f"{fmt(_tau(b.get('acceptance')))} | {fmt(b.get('batch1', {}).get('speedup'), 2)} | "
-            f"{fmt(b.get('concurrent', {}).get('speedup'), 2)} |"
+            f"| {name} | {a.get('prompts', '—')} | {fmt(a['tau_by_k'][k - 1] if a else None)} | "
+            f"{fmt(_tau(a.get('acceptance')))} | {fmt(_tau(b.get('acceptance')))} | "
+            f"{fmt(b.get('batch1', {}).get('speedup'), 2)} | {fmt(b.get('concurrent', {}).get('speedup'), 2)} |"
         )
     lines += ["", "## Per-position acceptance (share of steps accepted up to and including position i)", ""]
     positions = max(hf["k"], k)
@@ -108,21 +119,22 @@ def markdown_report(summary: dict[str, Any]) -> str:
         "| prompt set | engine | " + " | ".join(f"pos {i}" for i in range(positions)) + " |",
         "|---|---|" + "---|" * positions,
     ]
-    for name, a in hf["sets"].items():
-        for engine, rates in (("(a) transformers", _rates(a["acceptance"])),
-                              ("(b) vLLM", _rates(vllm.get("sets", {}).get(name, {}).get("acceptance")))):  # fmt: skip
+    for name in names:
+        for engine, label in (("transformers", "(a) transformers"), ("vllm", "(b) vLLM")):
+            rates = _rates(measured(summary, engine, name).get("acceptance"))
             cells = [fmt(rates[i]) if i < len(rates) else "—" for i in range(positions)]
-            lines.append(f"| {name} | {engine} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        f"## τ by k, derived from (a) at k={hf['k']}",
-        "",
-        "τ(k) = 1 + Σ_{i<k} rate_i: a chain of k accepts the prefix a longer chain accepts, cut at k.",
-        "",
-        "| prompt set | " + " | ".join(f"k={j}" for j in range(1, hf["k"] + 1)) + " |",
-        "|---|" + "---|" * hf["k"],
-    ]
-    lines += [f"| {n} | " + " | ".join(fmt(t) for t in a["tau_by_k"]) + " |" for n, a in hf["sets"].items()]
+            lines.append(f"| {name} | {label} | " + " | ".join(cells) + " |")
+    if hf.get("sets"):
+        lines += [
+            "",
+            f"## τ by k, derived from (a) at k={hf['k']}",
+            "",
+            "τ(k) = 1 + Σ_{i<k} rate_i: a chain of k accepts the prefix a longer chain accepts, cut at k.",
+            "",
+            "| prompt set | " + " | ".join(f"k={j}" for j in range(1, hf["k"] + 1)) + " |",
+            "|---|" + "---|" * hf["k"],
+        ]
+        lines += [f"| {n} | " + " | ".join(fmt(t) for t in a["tau_by_k"]) + " |" for n, a in hf["sets"].items()]
     lines += [
         "",
         "## Time",
@@ -131,17 +143,18 @@ def markdown_report(summary: dict[str, Any]) -> str:
         "(b) tok/s batch 1 draft / plain | (b) tok/s concurrent draft / plain | (b) draft = plain |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name, a in hf["sets"].items():
-        b = vllm.get("sets", {}).get(name, {})
+    for name in names:
+        a, b = measured(summary, "transformers", name), measured(summary, "vllm", name)
         rates = [b.get(mode, {}).get(who, {}).get("tokens_per_s") for mode in ("batch1", "concurrent")
                  for who in ("draft", "plain")]  # fmt: skip
         lines.append(
-            f"| {name} | {fmt(a['draft_share'], 2)} | {fmt(a['target_share'], 2)} | {a['tokens']} | "
-            f"{a['identical_to_greedy']} | {fmt(rates[0], 1)} / {fmt(rates[1], 1)} | "
-            f"{fmt(rates[2], 1)} / {fmt(rates[3], 1)} | {b.get('identical_outputs', '—')} |"
+            f"| {name} | {fmt(a.get('draft_share'), 2)} | {fmt(a.get('target_share'), 2)} | "
+            f"{a.get('tokens', '—')} | {a.get('identical_to_greedy', '—')} | {fmt(rates[0], 1)} / "
+            f"{fmt(rates[1], 1)} | {fmt(rates[2], 1)} / {fmt(rates[3], 1)} | {b.get('identical_outputs', '—')} |"
         )
-    if vllm.get("skipped"):
-        lines += ["", f"(b) not measured: {vllm['skipped']}"]
+    for engine, label in (("transformers", "(a)"), ("vllm", "(b)")):
+        if (summary.get(engine) or {}).get("skipped"):
+            lines += ["", f"{label} not measured: {summary[engine]['skipped']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -152,25 +165,24 @@ def plot_report(summary: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    hf, vllm, k = summary["transformers"], summary.get("vllm") or {}, summary["k"]
+    hf, k, names = summary["transformers"], summary["k"], set_names(summary)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    names = list(hf["sets"])
     width = 0.8 / max(2 * len(names), 1)
     for index, name in enumerate(names):
-        series = (("(a)", _rates(hf["sets"][name]["acceptance"])),
-                  ("(b) vLLM", _rates(vllm.get("sets", {}).get(name, {}).get("acceptance"))))  # fmt: skip
-        for offset, (engine, rates) in enumerate(series):
+        a, b = measured(summary, "transformers", name), measured(summary, "vllm", name)
+        for offset, (label, rates) in enumerate((("(a)", _rates(a.get("acceptance"))),
+                                                 ("(b) vLLM", _rates(b.get("acceptance"))))):  # fmt: skip
             if rates:
                 xs = [i + (2 * index + offset) * width - 0.4 for i in range(len(rates))]
-                left.bar(xs, rates, width, align="edge", label=f"{name} {engine}")
-        right.plot(range(1, hf["k"] + 1), hf["sets"][name]["tau_by_k"], marker="o", label=f"{name} (a) derived")
-        vllm_tau = _tau(vllm.get("sets", {}).get(name, {}).get("acceptance"))
-        if vllm_tau is not None:
+                left.bar(xs, rates, width, align="edge", label=f"{name} {label}")
+        if a:
+            right.plot(range(1, hf["k"] + 1), a["tau_by_k"], marker="o", label=f"{name} (a) derived")
+        if (vllm_tau := _tau(b.get("acceptance"))) is not None:
             right.plot([k], [vllm_tau], marker="s", linestyle="none", label=f"{name} (b) vLLM")
     left.set(title="Acceptance per draft position", xlabel="position", ylabel="rate", ylim=(0, 1))
     left.set_xticks(range(max(hf["k"], k)))
     right.set(title="Acceptance length τ by k", xlabel="k (draft tokens per step)", ylabel="τ")
-    right.set_xticks(range(1, hf["k"] + 1))
+    right.set_xticks(range(1, max(hf["k"], k) + 1))
     for axis in (left, right):
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)

@@ -92,3 +92,31 @@ def test_a_held_out_prompt_seen_in_training_fails_before_measuring(setup, tmp_pa
     with pytest.raises(PromptOverlapError, match="== training row"):
         evaluate_draft(make_config(tmp_path), checkpoint, target, duplicated, events)
     assert events.count(WEIGHT_LOAD) == 0
+
+
+def test_cli_evaluate_exits_1_when_the_guard_fails_and_0_when_it_passes(setup, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from eagle3_core.cli import app
+
+    target, _, checkpoint = setup
+    settings = [f"run_dir={tmp_path}", f"target.model={target.root}", "evaluation.with_vllm=false",
+                "evaluation.max_prompts=1", "evaluation.max_new_tokens=8", "evaluation.cpu_threads=1"]  # fmt: skip
+    args = ["evaluate", "--draft", str(checkpoint.root_path / "export")]
+    for setting in settings:
+        args += ["--set", setting]
+    failed = CliRunner().invoke(app, args)
+    assert failed.exit_code == 1, failed.output
+    output = " ".join(failed.output.split())  # rich wraps long lines
+    assert "acceptance guard failed" in output and "measuring HumanEval only" in output
+    passed = CliRunner().invoke(app, [*args, "--set", "evaluation.acceptance_floor=0"])
+    assert passed.exit_code == 0, passed.output
+    assert "tau (a) at k=3: 1.000" in " ".join(passed.output.split())
+    assert EvalReport.load(tmp_path / "eval").measurements["transformers"]["sets"].keys() == {"humaneval"}
+
+
+def test_nothing_to_measure_is_refused(setup, tmp_path: Path) -> None:
+    target, sample_set, checkpoint = setup
+    config = make_config(tmp_path, with_transformers=False)
+    with pytest.raises(ValueError, match="nothing to measure"):
+        evaluate_draft(config, checkpoint, target, sample_set, RunEvents(tmp_path))

@@ -56,3 +56,14 @@ def test_report_shows_both_measurements_side_by_side(tmp_path: Path) -> None:
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
     failed, _ = write_report(summary("position-0 acceptance below"), tmp_path)
     assert "**Guard: FAILED**" in failed.read_text()
+
+
+def test_report_with_vllm_only(tmp_path: Path) -> None:
+    """A target too large for transformers is measured in vLLM alone; the report says so."""
+    only_vllm = summary(None)
+    only_vllm["transformers"] = {"k": 5, "dtype": "float32", "sets": {}, "skipped": "with_transformers is false"}
+    markdown, png = write_report(only_vllm, tmp_path)
+    text = markdown.read_text()
+    assert f"| humaneval | — | — | — | {1 + 13 / 12:.3f} | 1.25 | 0.90 |" in text
+    assert "(a) not measured: with_transformers is false" in text and "τ by k" not in text
+    assert png.stat().st_size > 10_000
