@@ -312,14 +312,17 @@ class VllmServer:
         deadline = time.monotonic() + self.config.startup_timeout_s
         load_seconds: float | None = None
         while True:
+            # Health and exit first, the log after: every line written before either is then parsed.
+            healthy = self.healthy()
+            exit_code = self.process.poll() if self.process is not None else None
             for line in tail.read_lines():
                 load_seconds = parse_load_seconds(line) or load_seconds
                 if shard := parse_load_progress(line):
                     self.report_load(shard)
-            if self.process is not None and self.process.poll() is not None:
-                self.fail(f"vLLM server exited with code {self.process.returncode} while starting", tail)
-            if self.healthy():
+            if healthy:
                 return load_seconds
+            if exit_code is not None:
+                self.fail(f"vLLM server exited with code {exit_code} while starting", tail)
             if tail.idle_s() > self.config.stall_timeout_s:
                 self.fail(f"vLLM server stalled: no log output for {tail.idle_s():.0f} s while starting", tail)
             if time.monotonic() > deadline:

@@ -68,7 +68,7 @@ def test_completion_tokens_are_the_generated_ones(server, reference):
     """The assistant part re-tokenizes the response: it must start with the very tokens the target
     generated (vLLM's return_token_ids)."""
     model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
-    for row in list(iter_rows(reference))[:4]:
+    for row in list(iter_rows(reference))[:2]:
         answer = httpx.post(
             f"{server.base_url}/v1/chat/completions",
             json={"model": model, "messages": row["messages"], "max_tokens": 32, "temperature": 0,
