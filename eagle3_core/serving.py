@@ -294,7 +294,7 @@ class VllmServer:
             self.stop()
             raise
         startup_s = time.monotonic() - launched
-        seconds = load_seconds if load_seconds is not None else startup_s
+        seconds = min(load_seconds, startup_s) if load_seconds is not None else startup_s
         self.events.record(
             self.phase,
             WEIGHT_LOAD,
@@ -316,7 +316,10 @@ class VllmServer:
             healthy = self.healthy()
             exit_code = self.process.poll() if self.process is not None else None
             for line in tail.read_lines():
-                load_seconds = parse_load_seconds(line) or load_seconds
+                # The first "Loading weights took" is the target's; the extract_hidden_states method logs
+                # a second, meaningless one for its placeholder draft model.
+                if load_seconds is None:
+                    load_seconds = parse_load_seconds(line)
                 if shard := parse_load_progress(line):
                     self.report_load(shard)
             if healthy:
