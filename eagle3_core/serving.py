@@ -294,7 +294,7 @@ class VllmServer:
             self.stop()
             raise
         startup_s = time.monotonic() - launched
-        seconds = min(load_seconds, startup_s) if load_seconds is not None else startup_s
+        seconds = load_seconds if load_seconds is not None else startup_s
         self.events.record(
             self.phase,
             WEIGHT_LOAD,
