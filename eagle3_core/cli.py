@@ -140,12 +140,18 @@ def run_command(
     """Run the whole flow locally through Prefect (ephemeral by default, or the server at PREFECT_API_URL);
     completed phases return from cache. Prints the run summary and the acceptance report."""
     import os
+    import signal
+    import sys
     import time
 
     cfg = resolve_config(config, set_)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
     # The ephemeral API server gets 20 s to start by default: too little on a busy 2-core machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    # Prefect turns SIGTERM into a crash of the running task, then re-delivers it to the handler it found:
+    # with the default one the process dies at once, the flow run stays Running and no on_crashed hook
+    # stops the engines. Exiting via SystemExit lets the flow engine record the crash and run its hooks.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     start = time.monotonic()
     if nightly:
         from flows.regenerate import regenerate as flow_function

@@ -10,7 +10,10 @@ files exist, unchanged); otherwise the record is deleted and the phase runs agai
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -199,9 +202,22 @@ def phase_task_options(policy: PhaseCachePolicy) -> dict[str, Any]:
     }
 
 
+def call_outside_event_loop(call: Callable[[], R]) -> R:
+    """Phases may call `asyncio.run()`, which is refused in a thread whose event loop is running, as under
+    an async runner (`prefect flow-run retry` runs the flow that way): then run the phase in a fresh
+    thread, with this context (the task run, its settings)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return call()
+    context = contextvars.copy_context()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="phase") as pool:
+        return pool.submit(context.run, call).result()
+
+
 def run_phase(phase: str, call: Callable[[], R]) -> R:
     """Run a phase function between the `start` and `end` fault points of EAGLE3_FAULT."""
     check_fault(phase, "start")
-    result = call()
+    result = call_outside_event_loop(call)
     check_fault(phase, "end")
     return result

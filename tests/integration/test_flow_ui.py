@@ -1,0 +1,157 @@
+"""The Prefect UI end to end: `prefect server start`, `eagle3 deploy`, a process worker on pool `gpu`, and
+headless Chromium (playwright-core) opening the train-drafter deployment's custom-run form, changing one
+field of the PipelineConfig form and submitting; the run completes through the worker and a screenshot of
+it is saved. Also checks the nightly deployment's schedule through the API.
+
+Needs Chromium (`apt-get install -y chromium`) and playwright-core (`npm install playwright-core`; point
+EAGLE3_PLAYWRIGHT_DIR at the folder holding its node_modules); skipped without them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from eagle3_core.config import PipelineConfig
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+PLAYWRIGHT_DIR = Path(os.environ.get("EAGLE3_PLAYWRIGHT_DIR", "/tmp/orch/ui"))
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+SCREENSHOTS = Path(os.environ.get("EAGLE3_UI_SCREENSHOTS", REPO / "runs" / "ui-test"))
+
+SUBMIT_JS = """
+const { chromium } = require('playwright-core');
+(async () => {
+  const [base, deploymentId, label, value, shot] = process.argv.slice(2);
+  const browser = await chromium.launch({ executablePath: process.env.CHROMIUM, args: ['--no-sandbox'] });
+  const page = await browser.newPage({ viewport: { width: 1400, height: 1000 } });
+  await page.goto(`${base}/deployments/deployment/${deploymentId}/run`, { waitUntil: 'networkidle' });
+  const name = page.locator('.schema-form-property__label', { hasText: label });
+  await name.first().waitFor();
+  // Sections are properties too: the innermost property holding the label is the field itself.
+  const field = page.locator('.schema-form-property', { has: name }).last().locator('input').first();
+  await field.fill(value);
+  await page.screenshot({ path: shot.replace('.png', '-form.png') });
+  await page.getByRole('button', { name: 'Submit' }).click();
+  await page.waitForURL(/tab=Runs/, { timeout: 30000 });
+  await browser.close();
+})();
+"""
+
+SHOOT_JS = """
+const { chromium } = require('playwright-core');
+(async () => {
+  const [url, shot] = process.argv.slice(2);
+  const browser = await chromium.launch({ executablePath: process.env.CHROMIUM, args: ['--no-sandbox'] });
+  const page = await browser.newPage({ viewport: { width: 1400, height: 1000 } });
+  await page.goto(url, { waitUntil: 'networkidle' });
+  await page.waitForSelector('text=Completed');
+  await page.screenshot({ path: shot, fullPage: true });
+  await browser.close();
+})();
+"""
+
+# Tiny budget: the custom run must finish in minutes on 2 shared cores.
+TINY = {
+    "sampling": {"max_prompts": 6, "max_tokens": 24, "holdout_fraction": 0.34, "concurrency": 4},
+    "extraction": {"samples_per_shard": 4},
+    "vocab": {"draft_vocab_size": 1024},
+    "training": {"epochs": 1, "max_steps": 2, "max_length": 256},
+    "evaluation": {"prompt_sets": ["holdout"], "max_prompts": 1, "max_new_tokens": 8, "with_vllm": False,
+                   "acceptance_floor": 0.0},
+}  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(api: str, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{api}/health", timeout=2).json() is True:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(1)
+    raise AssertionError(f"prefect server at {api} never became healthy")
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory):
+    if not CHROMIUM or not (PLAYWRIGHT_DIR / "node_modules" / "playwright-core").is_dir():
+        pytest.skip("needs chromium and playwright-core (see the module docstring)")
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_API_URL": f"{base}/api",
+    }
+    server = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env
+    )
+    try:
+        wait_healthy(f"{base}/api")
+        yield base, {**env, "PREFECT_API_URL": f"{base}/api"}
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def api_post(base: str, path: str, body: dict) -> list[dict]:
+    return httpx.post(f"{base}/api{path}", json=body, timeout=30).json()
+
+
+def test_custom_run_from_the_ui_completes(prefect_server, tmp_path: Path):
+    base, env = prefect_server
+    subprocess.run([str(BIN / "eagle3"), "deploy"], cwd=REPO, env=env, check=True)
+    deployments = {d["name"]: d for d in api_post(base, "/deployments/filter", {})}
+    nightly = deployments["nightly-regenerate"]
+    assert [s["schedule"]["cron"] for s in nightly["schedules"]] == ["0 2 * * *"]
+    assert nightly["work_pool_name"] == deployments["train-drafter"]["work_pool_name"] == "gpu"
+
+    deployment = deployments["train-drafter"]
+    tiny = PipelineConfig.model_validate({**TINY, "run_dir": str(tmp_path / "run")}).model_dump(mode="json")
+    httpx.patch(f"{base}/api/deployments/{deployment['id']}", json={"parameters": {"config": tiny}}).raise_for_status()
+
+    worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "gpu"], cwd=REPO, env=env)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    shot = SCREENSHOTS / "train-drafter-custom-run.png"
+    node_env = {**env, "NODE_PATH": str(PLAYWRIGHT_DIR / "node_modules"), "CHROMIUM": CHROMIUM}
+    try:
+        (tmp_path / "submit.js").write_text(SUBMIT_JS)
+        args = [base, deployment["id"], "Max New Tokens (Optional)", "6", str(shot)]
+        subprocess.run(["node", str(tmp_path / "submit.js"), *args], env=node_env, check=True, timeout=180)
+        runs = api_post(base, "/flow_runs/filter", {})
+        assert len(runs) == 1 and runs[0]["parameters"]["config"]["evaluation"]["max_new_tokens"] == 6
+        run_id = runs[0]["id"]
+        deadline = time.monotonic() + 1500
+        state = runs[0]["state"]["type"]
+        while state not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") and time.monotonic() < deadline:
+            time.sleep(5)
+            state = httpx.get(f"{base}/api/flow_runs/{run_id}", timeout=30).json()["state"]["type"]
+        assert state == "COMPLETED"
+        (tmp_path / "shoot.js").write_text(SHOOT_JS)
+        url = f"{base}/runs/flow-run/{run_id}"
+        subprocess.run(["node", str(tmp_path / "shoot.js"), url, str(shot)], env=node_env, check=True, timeout=180)
+        assert shot.stat().st_size > 10_000
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
