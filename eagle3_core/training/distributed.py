@@ -55,7 +55,8 @@ def wrap(module: nn.Module, group: Group, sharding: str) -> nn.Module:
     if sharding == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(module.draft.midlayer)
+        # One group at the root: the draft is one layer, and its forward reads the layer's projection
+        # matrices (cast once per unroll) outside the layer's own forward, so they must be gathered there.
         fully_shard(module)
         return module
     from torch.nn.parallel import DistributedDataParallel
