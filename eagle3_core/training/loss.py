@@ -30,50 +30,72 @@ def soft_ce_chunk(
     logits: torch.Tensor, target_logits: torch.Tensor, row_weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk: draft logits [C, Vd] (compute dtype), target logits [C, Vd], row_weights [C] ->
-    (weighted CE sum, d loss / d logits [C, Vd] in the logits' dtype, draft argmax [C]). Elementwise and
-    row reductions only, so torch.compile fuses it into a pass or two over the chunk."""
+    (weighted CE per row [C], d loss / d logits [C, Vd] in the logits' dtype, draft argmax [C]). Elementwise
+    and row reductions only, so torch.compile fuses it into a pass or two over the chunk."""
     accumulate = torch.promote_types(target_logits.dtype, torch.float32)
     log_probs = torch.log_softmax(logits.to(accumulate), dim=-1)
     target_probs = torch.softmax(target_logits.to(accumulate), dim=-1)
     weights = row_weights[:, None].to(accumulate)
-    loss = -(weights * target_probs * log_probs).sum()
+    row_loss = -(weights * target_probs * log_probs).sum(-1)
     grad_logits = ((log_probs.exp() - target_probs) * weights).to(logits.dtype)
-    return loss, grad_logits, log_probs.argmax(-1)
+    return row_loss, grad_logits, log_probs.argmax(-1)
 
 
 class _FusedSoftCrossEntropy(torch.autograd.Function):
-    """sum_n row_weight[n] * CE(softmax(target[n]), log_softmax(hidden[n] @ weight.T)), plus the draft's
-    argmax per row (no gradient). Forward keeps d loss / d logits (compute dtype) instead of the logits;
-    backward is two matmuls, as in autocast's own linear backward."""
+    """sum_n row_weight[n] * CE(softmax(target[n]), log_softmax(hidden[n] @ weight.T)), plus each row's
+    weighted CE and the draft's argmax (no gradient). Forward keeps d loss / d logits (compute dtype)
+    instead of the logits; backward is two matmuls whose (small) outputs take the incoming scale, so the
+    [N, Vd] gradient is never rewritten. `target_rows` [N] picks each row's target from `target_logits`
+    chunk by chunk (no [N, Vd] gathered copy)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, weight_c, target_logits, row_weights, chunk, chunk_fn):
+    def forward(ctx, hidden, weight, weight_c, target_logits, target_rows, row_weights, chunk, chunk_fn):
         hidden_c = hidden.to(weight_c.dtype)  # [N, H]
         grad_logits = torch.empty(hidden.shape[0], weight_c.shape[0], dtype=weight_c.dtype, device=hidden.device)
-        loss = hidden.new_zeros((), dtype=torch.promote_types(target_logits.dtype, torch.float32))
+        accumulate = torch.promote_types(target_logits.dtype, torch.float32)
+        row_loss = torch.empty(hidden.shape[0], dtype=accumulate, device=hidden.device)
         draft_top1 = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk):
                 rows = slice(start, start + chunk)
                 logits = hidden_c[rows] @ weight_c.T  # [C, Vd]
-                chunk_loss, grad_logits[rows], draft_top1[rows] = chunk_fn(
-                    logits, target_logits[rows], row_weights[rows]
-                )
-                loss += chunk_loss
+                targets = target_logits.index_select(0, target_rows[rows])  # [C, Vd]
+                row_loss[rows], grad_logits[rows], draft_top1[rows] = chunk_fn(logits, targets, row_weights[rows])
         ctx.save_for_backward(hidden_c, weight_c, grad_logits)
         ctx.dtypes = (hidden.dtype, weight.dtype)
-        ctx.mark_non_differentiable(draft_top1)
-        return loss, draft_top1
+        ctx.mark_non_differentiable(row_loss, draft_top1)
+        return row_loss.sum(), row_loss, draft_top1
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_top1):
+    def backward(ctx, grad_loss, _grad_rows, _grad_top1):
         hidden_c, weight_c, grad_logits = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
         with torch.autocast(hidden_c.device.type, enabled=False):
-            scaled = grad_logits * grad_loss.to(grad_logits.dtype)  # [N, Vd]
-            grad_hidden = (scaled @ weight_c).to(hidden_dtype)  # [N, H]
-            grad_weight = (scaled.T @ hidden_c).to(weight_dtype)  # [Vd, H]
-        return grad_hidden, grad_weight, None, None, None, None, None
+            grad_hidden = (grad_logits @ weight_c).to(hidden_dtype) * grad_loss.to(hidden_dtype)  # [N, H]
+            grad_weight = (grad_logits.T @ hidden_c).to(weight_dtype) * grad_loss.to(weight_dtype)  # [Vd, H]
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def fused_soft_cross_entropy_rows(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_logits: torch.Tensor,
+    row_weights: torch.Tensor,
+    target_rows: torch.Tensor | None = None,
+    weight_c: torch.Tensor | None = None,
+    chunk: int = LOSS_CHUNK_ROWS,
+    chunk_fn: Callable = soft_ce_chunk,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [N, H] (normed draft states), weight [Vd, H] (lm_head, gets the gradient), target_logits
+    [M, Vd] with target_rows [N] (row n is scored against target_logits[target_rows[n]]; None: M = N, in
+    order), row_weights [N] -> (weighted loss sum, weighted CE per row [N], draft argmax [N]). `weight_c` is
+    the weight in the compute dtype (bf16 on GPU), cast once per batch by the caller."""
+    weight_c = weight.detach() if weight_c is None else weight_c
+    if target_rows is None:
+        target_rows = torch.arange(hidden.shape[0], device=hidden.device)
+    return _FusedSoftCrossEntropy.apply(
+        hidden, weight, weight_c, target_logits, target_rows, row_weights, chunk, chunk_fn
+    )
 
 
 def fused_soft_cross_entropy(
@@ -85,11 +107,11 @@ def fused_soft_cross_entropy(
     chunk: int = LOSS_CHUNK_ROWS,
     chunk_fn: Callable = soft_ce_chunk,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [N, H] (normed draft states), weight [Vd, H] (lm_head, gets the gradient), target_logits
-    [N, Vd], row_weights [N] -> (weighted loss sum, draft argmax [N]). `weight_c` is the weight in the
-    compute dtype (bf16 on GPU), cast once per batch by the caller and shared by the TTT steps."""
-    weight_c = weight.detach() if weight_c is None else weight_c
-    return _FusedSoftCrossEntropy.apply(hidden, weight, weight_c, target_logits, row_weights, chunk, chunk_fn)
+    """`fused_soft_cross_entropy_rows` with target row n = target_logits[n]: (weighted loss sum, argmax)."""
+    loss, _, top1 = fused_soft_cross_entropy_rows(
+        hidden, weight, target_logits, row_weights, None, weight_c, chunk, chunk_fn
+    )
+    return loss, top1
 
 
 def step_valid(loss_mask: torch.Tensor, document_ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -187,27 +209,29 @@ class TTTObjective(nn.Module):
             [step_valid(batch["loss_mask"], batch["document_ids"], step) for step in range(len(states))]
         )  # [K, B, T]
         counts = valid.sum((1, 2))  # [K]
-        # Two host syncs per batch (row counts and indices for every step at once), not two per step.
-        all_rows = valid.nonzero().split(counts.tolist())  # K x [N_k, 3] = (step, b, i)
-        loss = states[0].new_zeros((), dtype=torch.float32)
-        stats, agree = [], torch.zeros_like(valid)
+        # All steps' scored rows in ONE loss call: one lm_head weight-gradient GEMM (and one fp32 cast of
+        # it) per batch instead of one per step. One host sync per batch (the row indices).
+        step, b, i = valid.nonzero().unbind(1)  # [N] each, ordered by step
         batch_size, length = valid.shape[1:]
+        flat = b * length + i  # row index in [B*T]; index_select copies whole rows (fast gather)
+        all_states = torch.cat([state.reshape(batch_size * length, -1) for state in states])  # [K*B*T, H]
+        hidden = self.draft.norm(all_states.index_select(0, step * (batch_size * length) + flat))  # [N, H]
+        step_weights = torch.tensor(
+            [self.step_weight**k for k in range(len(states))], dtype=hidden.dtype, device=hidden.device
+        )  # [K]
+        per_step_weight = step_weights / counts.clamp(min=1)
         flat_logits = target_logits.view(batch_size * length, -1)  # [B*T, Vd]
-        for step, (state, rows) in enumerate(zip(states, all_rows, strict=True)):
-            b, i = rows[:, 1], rows[:, 2]
-            flat = b * length + i  # row index in [B*T]; index_select copies whole rows (fast gather)
-            hidden = self.draft.norm(state.reshape(batch_size * length, -1).index_select(0, flat))  # [N, H]
-            count = counts[step].clamp(min=1)
-            row_weight = torch.full_like(hidden[:, 0], self.step_weight**step) / count
-            targets = flat_logits.index_select(0, flat + step + 1)  # [N, Vd]
-            step_loss, draft_top1 = fused_soft_cross_entropy(
-                hidden, lm_head, targets, row_weight, weight_c, chunk_fn=self.chunk_fn
-            )
-            loss = loss + step_loss
-            agree[step, b, i] = self.draft.draft_to_target(draft_top1) == target_top1[b, i + step + 1]
-            unweighted = step_loss.detach() * count / self.step_weight**step
-            stats.append(torch.stack([unweighted, agree[step].sum().float(), counts[step].float()]))
-        return loss, torch.stack(stats), agree, valid
+        loss, row_loss, draft_top1 = fused_soft_cross_entropy_rows(
+            hidden, lm_head, flat_logits, per_step_weight[step], flat + step + 1, weight_c, chunk_fn=self.chunk_fn
+        )
+        agree = torch.zeros_like(valid)
+        agree[step, b, i] = self.draft.draft_to_target(draft_top1) == target_top1[b, i + step + 1]
+        step_loss = torch.zeros(len(states), dtype=row_loss.dtype, device=row_loss.device).index_add_(
+            0, step, row_loss
+        )  # [K] weighted
+        unweighted = step_loss * counts.clamp(min=1) / step_weights.to(step_loss.dtype)
+        stats = torch.stack([unweighted, agree.sum((1, 2)).float(), counts.float()], dim=1)  # [K, 3]
+        return loss, stats, agree, valid
 
 
 def acceptance_counts(agree: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, int]:
