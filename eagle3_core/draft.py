@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 Weights = dict[str, torch.Tensor]
-"""Projection matrices of the draft layer by name (q_proj, ..., down_proj), in the compute dtype."""
+"""Projection matrices of the draft layer in the compute dtype, fused for fewer, larger matrix products:
+`qkv_embed` / `qkv_hidden` [Hq*D + 2*Hkv*D, H] (q, k, v rows over the embedding / hidden half of the 2H
+input), `o_proj`, `gate_up` [2I, H] (gate rows, then up rows), `down_proj`."""
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(q [B,Hq,T,D], k [B,Hkv,T,D], v [B,Hkv,T,D]) -> attention output [B,Hq,T,D]."""
 
@@ -127,14 +129,16 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
 
-    def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: Weights
+    def split_heads(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, 2H] -> q [B, Hq, T, D], k, v [B, Hkv, T, D], rotary applied to q and k."""
-        batch, length, _ = x.shape
-        q = F.linear(x, weights["q_proj"]).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
-        k = F.linear(x, weights["k_proj"]).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = F.linear(x, weights["v_proj"]).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        """qkv [B, T, Hq*D + 2*Hkv*D] -> q [B, Hq, T, D], k, v [B, Hkv, T, D], rotary applied to q and k."""
+        batch, length, _ = qkv.shape
+        kv_width = self.kv_heads * self.head_dim
+        q, k, v = qkv.split([self.heads * self.head_dim, kv_width, kv_width], dim=-1)
+        q = q.view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def output(self, out: torch.Tensor, weights: Weights) -> torch.Tensor:
@@ -151,7 +155,7 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:
-        gate, up = F.linear(x, weights["gate_proj"]), F.linear(x, weights["up_proj"])
+        gate, up = F.linear(x, weights["gate_up"]).chunk(2, dim=-1)  # [B, T, I] each
         return F.linear(F.silu(gate) * up, weights["down_proj"])
 
 
@@ -168,25 +172,43 @@ class DraftLayer(nn.Module):
         self.rope_theta = config.rope_theta
 
     def projection_weights(self, dtype: torch.dtype) -> Weights:
-        """The layer's projection matrices in the compute dtype, cast ONCE per train-time-test unroll and
-        shared by its steps. (Cast inside each compiled step instead, every step would pay a cast forward
-        and an fp32 cast + accumulate of its weight gradient backward; shared, autograd sums the steps'
-        bf16 gradients once, as autocast's own weight cache does in eager mode.)"""
-        modules = {**dict(self.self_attn.named_children()), **dict(self.mlp.named_children())}
-        return {name: module.weight.to(dtype) for name, module in modules.items()}
+        """The layer's projection matrices in the compute dtype (see `Weights`), cast ONCE per
+        train-time-test unroll and shared by its steps. (Cast inside each compiled step instead, every step
+        would pay a cast forward and an fp32 cast + accumulate of its weight gradient backward; shared,
+        autograd sums the steps' bf16 gradients once, as autocast's own weight cache does in eager mode.)"""
+        attn, mlp = self.self_attn, self.mlp
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).to(dtype)  # [Nqkv, 2H]
+        half = qkv.shape[1] // 2
+        return {
+            "qkv_embed": qkv[:, :half].contiguous(),
+            "qkv_hidden": qkv[:, half:].contiguous(),
+            "o_proj": attn.o_proj.weight.to(dtype),
+            "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(dtype),
+            "down_proj": mlp.down_proj.weight.to(dtype),
+        }
+
+    def embed_projection(self, embeds: torch.Tensor, weights: Weights) -> torch.Tensor:
+        """embeds [B, T, H] -> the embedding half's share of q/k/v, [B, T, Nqkv]. Linear, so training
+        computes it ONCE over the padded sequence and every TTT step reads a shifted view of it (step k
+        at index i sees token i+k+1), instead of re-projecting the same embeddings at every step."""
+        return F.linear(self.input_layernorm(embeds).to(weights["qkv_embed"].dtype), weights["qkv_embed"])
 
     def attention_inputs(
-        self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, weights: Weights
+        self, hidden: torch.Tensor, embed_proj: torch.Tensor, positions: torch.Tensor, weights: Weights
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden, embeds [B, T, H], positions [B, T] -> q, k, v of [norm(embeds); norm(hidden)]."""
+        """hidden [B, T, H], embed_proj [B, T, Nqkv] (`embed_projection`), positions [B, T] -> q, k, v of
+        [norm(embeds); norm(hidden)]: the hidden half's product is added to embed_proj inside the GEMM."""
+        batch, length, _ = hidden.shape
         cos, sin = rotary_cos_sin(positions, self.self_attn.head_dim, self.rope_theta)
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-        return self.self_attn.project(x.to(weights["q_proj"].dtype), cos, sin, weights)
+        x = self.hidden_norm(hidden).to(weights["qkv_hidden"].dtype).reshape(batch * length, -1)  # [B*T, H]
+        base = embed_proj.reshape(batch * length, -1)
+        qkv = torch.addmm(base, x, weights["qkv_hidden"].t()).view(batch, length, -1)  # [B, T, Nqkv]
+        return self.self_attn.split_heads(qkv, cos, sin)
 
     def finish(self, hidden: torch.Tensor, attended: torch.Tensor, weights: Weights) -> torch.Tensor:
         """Residual + o_proj, then the MLP block: the pre-norm output [B, T, H]."""
         hidden = hidden + self.self_attn.output(attended.to(weights["o_proj"].dtype), weights)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden).to(weights["gate_proj"].dtype), weights)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden).to(weights["gate_up"].dtype), weights)
 
     def forward(
         self,
@@ -195,10 +217,13 @@ class DraftLayer(nn.Module):
         positions: torch.Tensor,
         attend: Attend,
         weights: Weights | None = None,
+        embed_proj: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden, embeds [B, T, H] -> pre-norm output [B, T, H] (the state fed to the next draft step)."""
+        """hidden, embeds [B, T, H] -> pre-norm output [B, T, H] (the state fed to the next draft step).
+        `embed_proj`: `embed_projection(embeds)` when the caller already has it (training)."""
         weights = weights if weights is not None else self.projection_weights(compute_dtype(self.mlp.up_proj.weight))
-        q, k, v = self.attention_inputs(hidden, embeds, positions, weights)
+        embed_proj = embed_proj if embed_proj is not None else self.embed_projection(embeds, weights)
+        q, k, v = self.attention_inputs(hidden, embed_proj, positions, weights)
         return self.finish(hidden, attend(q, k, v), weights)
 
 
@@ -261,12 +286,14 @@ class Eagle3Draft(nn.Module):
         positions: torch.Tensor,
         attend: Attend,
         weights: Weights | None = None,
+        embed_proj: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.midlayer(hidden, embeds, positions, attend, weights)
+        return self.midlayer(hidden, embeds, positions, attend, weights, embed_proj)
 
     def compile_blocks(self) -> None:
         """torch.compile the layer's dense blocks around attention (norms, projections, rotary, MLP):
         fuses their elementwise work; attention is compiled on its own (flex) and stays outside."""
+        self.midlayer.embed_projection = torch.compile(self.midlayer.embed_projection)
         self.midlayer.attention_inputs = torch.compile(self.midlayer.attention_inputs)
         self.midlayer.finish = torch.compile(self.midlayer.finish)
 
@@ -306,10 +333,12 @@ class Eagle3Draft(nn.Module):
         embeds = self.embed(F.pad(input_ids, (0, ttt_steps)))  # [B, T + K, H]
         hidden = self.combine_aux(aux)  # [B, T, H]
         weights = self.midlayer.projection_weights(compute_dtype(self.fc.weight))
+        embed_proj = self.midlayer.embed_projection(embeds, weights)  # [B, T + K, Nqkv], shared by the steps
         states = []
         for step in range(ttt_steps):  # step 0: target states; step k > 0: the draft's own step k-1 output
             step_embeds = embeds[:, step + 1 : step + 1 + length]
-            hidden = self.layer(hidden, step_embeds, position_ids + step, attend, weights)
+            step_proj = embed_proj[:, step + 1 : step + 1 + length]
+            hidden = self.layer(hidden, step_embeds, position_ids + step, attend, weights, step_proj)
             states.append(hidden)
         return states
 
