@@ -6,6 +6,8 @@ autocast, fp32 master weights, fused AdamW, gradient clipping: the real `TTTObje
 
 Imports only torch (+ safetensors through eagle3_core.draft): the GPU machine has no pydantic.
 Run from the repository root:  PYTHONPATH=. python bench/train_speed.py [--out results.json]
+Data parallel (DDP, one process per GPU, each rank its own sequence per step):
+  PYTHONPATH=. torchrun --nproc_per_node 2 bench/train_speed.py --ddp [--compare single.json]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from eagle3_core.training.attention import (
     ttt_attention_eager,
     ttt_attention_flex,
 )
+from eagle3_core.training.distributed import Group, init_group, wrap
 from eagle3_core.training.loss import TargetHead, TTTObjective
 
 # speculators 0.9.0, AdamW, one H200 (shared/ANCHORS.md), tokens/s.
@@ -66,7 +69,8 @@ def check_flex_attention(device: torch.device) -> float:
     return max(float((a - b).norm() / b.norm()) for a, b in zip(*results, strict=True))
 
 
-def build(config: DraftConfig, ttt_steps: int, device: torch.device, compiled: bool):
+def build(config: DraftConfig, ttt_steps: int, device: torch.device, compiled: bool, group: Group | None = None):
+    """The objective (wrapped in DDP when `group` spans several processes), head, parameters, optimizer."""
     torch.manual_seed(0)
     with torch.device(device):
         draft = Eagle3Draft(config)
@@ -84,6 +88,8 @@ def build(config: DraftConfig, ttt_steps: int, device: torch.device, compiled: b
     objective = TTTObjective(draft, ttt_steps, step_weight=0.8, attention="flex")
     if compiled:
         objective.compile()
+    if group is not None:
+        objective = wrap(objective, group, "ddp")
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
     return objective, head, params, optimizer
@@ -112,12 +118,16 @@ def train_step(objective, head, params, optimizer, batch) -> torch.Tensor:
     return loss.detach()
 
 
-def measure(length: int, ttt_steps: int, compiled: bool, warmup: int, iters: int) -> dict:
-    device = torch.device("cuda")
+def measure(length: int, ttt_steps: int, compiled: bool, warmup: int, iters: int, group: Group | None = None) -> dict:
+    """ms/step and tokens/s of `iters` steps (two windows). Under DDP every rank trains its own sequences
+    and tokens/s counts all ranks' tokens."""
+    device = group.device if group is not None else torch.device("cuda")
+    world = group.world if group is not None else 1
+    rank = group.rank if group is not None else 0
     config = llama8b_draft_config()
     start = time.monotonic()
-    objective, head, params, optimizer = build(config, ttt_steps, device, compiled)
-    batches = [random_batch(config, length, device, seed) for seed in range(3)]
+    objective, head, params, optimizer = build(config, ttt_steps, device, compiled, group)
+    batches = [random_batch(config, length, device, 3 * rank + seed) for seed in range(3)]
     for i in range(warmup):
         loss = train_step(objective, head, params, optimizer, batches[i % 3])
     torch.cuda.synchronize()
@@ -137,15 +147,16 @@ def measure(length: int, ttt_steps: int, compiled: bool, warmup: int, iters: int
         "seq": length,
         "ttt": ttt_steps,
         "compiled": compiled,
+        "gpus": world,
         "ms_per_step": ms,
         "ms_per_step_windows": windows,
-        "tokens_per_s": length * 1000 / ms,
+        "tokens_per_s": world * length * 1000 / ms,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "setup_s": setup_s,
         "final_loss": float(loss),
     }
     baseline = SPECULATORS.get((length, ttt_steps))
-    if baseline:
+    if baseline and world == 1:
         result["speculators_tokens_per_s"] = baseline
         result["ratio"] = result["tokens_per_s"] / baseline
     del objective, head, params, optimizer, batches
@@ -153,21 +164,78 @@ def measure(length: int, ttt_steps: int, compiled: bool, warmup: int, iters: int
     return result
 
 
-def profile_step(length: int, ttt_steps: int, rows: int = 30) -> str:
-    """Top kernels of one compiled step (after warm-up): where the time goes."""
+def kernel_class(name: str) -> str:
+    """Coarse class of a CUDA kernel name, for the profile summary."""
+    lowered = name.lower()
+    if "flex" in lowered or "triton_tem" in lowered:
+        return "flex attention"
+    if any(key in lowered for key in ("gemm", "cutlass", "nvjet", "sm90_", "cublas", "xmma")):
+        return "matrix products"
+    if any(key in lowered for key in ("adam", "multi_tensor", "foreach")):
+        return "optimizer + clipping"
+    if "triton" in lowered:
+        return "compiled elementwise/reductions (triton)"
+    if "nccl" in lowered:
+        return "nccl"
+    return "other eager kernels (copies, casts, index, elementwise)"
+
+
+def profile_step(length: int, ttt_steps: int, rows: int = 40) -> dict:
+    """Top kernels of one compiled step (after warm-up) and their time per class: where the time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device("cuda")
     config = llama8b_draft_config()
     objective, head, params, optimizer = build(config, ttt_steps, device, compiled=True)
     batch = random_batch(config, length, device, 0)
-    for _ in range(2):
+    for _ in range(3):
         train_step(objective, head, params, optimizer, batch)
     torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        begin.record()
         train_step(objective, head, params, optimizer, batch)
+        end.record()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+    classes: dict[str, float] = {}
+    for event in prof.key_averages():  # self time: each kernel counted once
+        own_ms = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        classes[kernel_class(event.key)] = classes.get(kernel_class(event.key), 0.0) + own_ms / 1000
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=90)
+    del objective, head, params, optimizer, batch
+    torch.cuda.empty_cache()
+    return {
+        "seq": length,
+        "ttt": ttt_steps,
+        "step_ms_profiled": begin.elapsed_time(end),
+        "kernel_ms_by_class": {k: round(v, 2) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])},
+        "kernel_ms_total": round(sum(classes.values()), 2),
+        "table": table,
+    }
+
+
+def main_ddp(args) -> None:
+    """DDP on every GPU of the host (torchrun): the compiled runs, tokens/s of all ranks together; with
+    `--compare` (this script's one-GPU JSON) the per-GPU efficiency against it."""
+    group = init_group("cuda")
+    report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "world": group.world}
+    report["runs"] = [measure(length, ttt, True, 3, args.iters, group) for length, ttt in ((2048, 7), (4096, 3))]
+    if not group.is_main:
+        return
+    single = {}
+    if args.compare:
+        with open(args.compare) as f:
+            single = {(r["seq"], r["ttt"]): r for r in json.load(f)["runs"] if r["compiled"]}
+    for run in report["runs"]:
+        one = single.get((run["seq"], run["ttt"]))
+        if one:
+            run["one_gpu_tokens_per_s"] = one["tokens_per_s"]
+            run["speedup_vs_one_gpu"] = run["tokens_per_s"] / one["tokens_per_s"]
+            run["per_gpu_efficiency"] = run["speedup_vs_one_gpu"] / group.world
+        print(json.dumps(run), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
 
 
 def main() -> None:
@@ -175,21 +243,29 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="Write the results as JSON here.")
     parser.add_argument("--budget-s", type=float, default=420, help="Skip remaining variants after this.")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--ddp", action="store_true", help="Data parallel under torchrun (compiled runs only).")
+    parser.add_argument("--compare", default=None, help="--ddp: one-GPU JSON of this script, for efficiency.")
+    parser.add_argument("--eager", action="store_true", help="Also run the uncompiled variants.")
     args = parser.parse_args()
+    if args.ddp:
+        main_ddp(args)
+        return
     start = time.monotonic()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "runs": []}
     report["flex_vs_eager_rel_error"] = check_flex_attention(torch.device("cuda"))
     print(f"flex TTT attention vs eager (output and grads), max rel error: {report['flex_vs_eager_rel_error']:.2e}")
-    plan = [(2048, 7, True), (4096, 3, True), "profile", (2048, 7, False), (4096, 3, False)]
+    plan = [(2048, 7, True), (4096, 3, True), (2048, 7), (4096, 3)]
+    plan += [(2048, 7, False), (4096, 3, False)] if args.eager else []
     for entry in plan:
         if time.monotonic() - start > args.budget_s:
             print(f"skipped {entry}: time budget", flush=True)
             continue
         try:
-            if entry == "profile":
-                report["profile_2048_7"] = profile_step(2048, 7)
-                print(report["profile_2048_7"], flush=True)
+            if len(entry) == 2:
+                profiled = profile_step(*entry)
+                report[f"profile_{entry[0]}_{entry[1]}"] = profiled
+                print(json.dumps({k: v for k, v in profiled.items() if k != "table"}), flush=True)
                 continue
             result = measure(*entry, warmup=3, iters=args.iters)
         except Exception:  # a failed variant is reported; the others still run
