@@ -62,7 +62,8 @@ def wrap(module: nn.Module, group: Group, sharding: str) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [group.device.index] if group.device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=device_ids)
+    # Gradients live in DDP's all-reduce buckets (no copy into and out of them each step; same values).
+    return DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Group) -> torch.Tensor:
