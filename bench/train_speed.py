@@ -69,8 +69,16 @@ def check_flex_attention(device: torch.device) -> float:
     return max(float((a - b).norm() / b.norm()) for a, b in zip(*results, strict=True))
 
 
-def build(config: DraftConfig, ttt_steps: int, device: torch.device, compiled: bool, group: Group | None = None):
-    """The objective (wrapped in DDP when `group` spans several processes), head, parameters, optimizer."""
+def build(
+    config: DraftConfig,
+    ttt_steps: int,
+    device: torch.device,
+    compiled: bool,
+    group: Group | None = None,
+    bf16_reduce: bool = False,
+):
+    """The objective (wrapped in DDP when `group` spans several processes; `bf16_reduce`: gradients
+    all-reduced in bf16 through DDP's compression hook), head, parameters, optimizer."""
     torch.manual_seed(0)
     with torch.device(device):
         draft = Eagle3Draft(config)
@@ -90,6 +98,10 @@ def build(config: DraftConfig, ttt_steps: int, device: torch.device, compiled: b
         objective.compile()
     if group is not None:
         objective = wrap(objective, group, "ddp")
+        if bf16_reduce:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+            objective.register_comm_hook(None, bf16_compress_hook)
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
     return objective, head, params, optimizer
@@ -118,7 +130,15 @@ def train_step(objective, head, params, optimizer, batch) -> torch.Tensor:
     return loss.detach()
 
 
-def measure(length: int, ttt_steps: int, compiled: bool, warmup: int, iters: int, group: Group | None = None) -> dict:
+def measure(
+    length: int,
+    ttt_steps: int,
+    compiled: bool,
+    warmup: int,
+    iters: int,
+    group: Group | None = None,
+    bf16_reduce: bool = False,
+) -> dict:
     """ms/step and tokens/s of `iters` steps (two windows). Under DDP every rank trains its own sequences
     and tokens/s counts all ranks' tokens."""
     device = group.device if group is not None else torch.device("cuda")
@@ -126,7 +146,7 @@ def measure(length: int, ttt_steps: int, compiled: bool, warmup: int, iters: int
     rank = group.rank if group is not None else 0
     config = llama8b_draft_config()
     start = time.monotonic()
-    objective, head, params, optimizer = build(config, ttt_steps, device, compiled, group)
+    objective, head, params, optimizer = build(config, ttt_steps, device, compiled, group, bf16_reduce)
     batches = [random_batch(config, length, device, 3 * rank + seed) for seed in range(3)]
     for i in range(warmup):
         loss = train_step(objective, head, params, optimizer, batches[i % 3])
@@ -148,6 +168,7 @@ def measure(length: int, ttt_steps: int, compiled: bool, warmup: int, iters: int
         "ttt": ttt_steps,
         "compiled": compiled,
         "gpus": world,
+        "bf16_reduce": bf16_reduce,
         "ms_per_step": ms,
         "ms_per_step_windows": windows,
         "tokens_per_s": world * length * 1000 / ms,
@@ -219,7 +240,11 @@ def main_ddp(args) -> None:
     `--compare` (this script's one-GPU JSON) the per-GPU efficiency against it."""
     group = init_group("cuda")
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "world": group.world}
-    report["runs"] = [measure(length, ttt, True, 3, args.iters, group) for length, ttt in ((2048, 7), (4096, 3))]
+    shapes = ((2048, 7), (4096, 3))
+    # 5 warm-up steps: DDP rebuilds its buckets after the first iteration.
+    report["runs"] = [measure(length, ttt, True, 5, args.iters, group) for length, ttt in shapes]
+    if args.bf16_reduce:
+        report["runs"] += [measure(length, ttt, True, 5, args.iters, group, True) for length, ttt in shapes]
     if not group.is_main:
         return
     single = {}
@@ -246,6 +271,8 @@ def main() -> None:
     parser.add_argument("--ddp", action="store_true", help="Data parallel under torchrun (compiled runs only).")
     parser.add_argument("--compare", default=None, help="--ddp: one-GPU JSON of this script, for efficiency.")
     parser.add_argument("--eager", action="store_true", help="Also run the uncompiled variants.")
+    parser.add_argument("--no-profile", action="store_true", help="Skip the profiled steps.")
+    parser.add_argument("--bf16-reduce", action="store_true", help="--ddp: also time bf16 gradient all-reduce.")
     args = parser.parse_args()
     if args.ddp:
         main_ddp(args)
@@ -255,7 +282,7 @@ def main() -> None:
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "runs": []}
     report["flex_vs_eager_rel_error"] = check_flex_attention(torch.device("cuda"))
     print(f"flex TTT attention vs eager (output and grads), max rel error: {report['flex_vs_eager_rel_error']:.2e}")
-    plan = [(2048, 7, True), (4096, 3, True), (2048, 7), (4096, 3)]
+    plan = [(2048, 7, True), (4096, 3, True)] + ([] if args.no_profile else [(2048, 7), (4096, 3)])
     plan += [(2048, 7, False), (4096, 3, False)] if args.eager else []
     for entry in plan:
         if time.monotonic() - start > args.budget_s:
