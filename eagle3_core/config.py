@@ -135,9 +135,6 @@ class TrainingConfig(Section):
     seed: int = Field(0, description="Seed of initialisation, data order and dropout.")
     device: str = Field("auto", description="Torch device: auto, cpu, cuda.")
     warm_start: str | None = Field(None, description="Draft checkpoint folder to start from (None: fresh).")
-
-
-class EvaluationConfig(Section):
     attention: Literal["auto", "flex", "eager"] = Field(
         "auto", description="TTT attention: flex_attention (GPU), eager explicit scores (any device), auto."
     )
@@ -145,6 +142,9 @@ class EvaluationConfig(Section):
         "ddp", description="Under torchrun: DDP (replicated draft) or FSDP2 (sharded, for large drafts)."
     )
     keep_checkpoints: int = Field(2, ge=1, description="Resumable training states kept (newest first).")
+
+
+class EvaluationConfig(Section):
     num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens proposed per target step (k).")
     prompt_sets: list[Literal["humaneval", "holdout"]] = Field(
         default_factory=lambda: ["humaneval", "holdout"], description="Held-out prompt sets to measure on."
