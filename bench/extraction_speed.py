@@ -86,8 +86,8 @@ def run_cpu(args: argparse.Namespace) -> dict:
     from eagle3_core.events import WEIGHT_LOAD, RunEvents
     from eagle3_core.target import prepare_target
 
-    target = prepare_target(TargetConfig())
     work = Path(tempfile.mkdtemp(prefix="extraction-bench-"))
+    target = prepare_target(TargetConfig(), RunEvents(work))
     try:
         sample_set = cpu_sample_set(work / "samples", target.vocab_size, args.samples, args.tokens)
         results: dict = {

@@ -86,9 +86,8 @@ def describe_folder(model_dir: Path, name: str, source: str) -> TargetModel:
     )
 
 
-def prepare_target(config: TargetConfig, events: RunEvents | None = None) -> TargetModel:
+def prepare_target(config: TargetConfig, events: RunEvents) -> TargetModel:
     """Return the target's manifest, converting the embedded GGUF on first use only."""
-    events = events or RunEvents(Path("."))
     if config.model not in EMBEDDED:
         model_dir = Path(config.model).expanduser()
         if not (model_dir / "config.json").is_file():
