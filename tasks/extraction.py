@@ -26,6 +26,7 @@ POLICY = PhaseCachePolicy(
         "extraction.concurrency",
         "extraction.device",
         "extraction.reuse_sampling_server",
+        "extraction.writer_threads",
     ),
 )
 
