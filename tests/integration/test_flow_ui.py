@@ -126,6 +126,11 @@ def test_custom_run_from_the_ui_completes(prefect_server, tmp_path: Path):
     nightly = deployments["nightly-regenerate"]
     assert [s["schedule"]["cron"] for s in nightly["schedules"]] == ["0 2 * * *"]
     assert nightly["work_pool_name"] == deployments["train-drafter"]["work_pool_name"] == "gpu"
+    nightly_runs = {"deployments": {"id": {"any_": [nightly["id"]]}}}
+    deadline = time.monotonic() + 120
+    while not (scheduled := api_post(base, "/flow_runs/filter", nightly_runs)) and time.monotonic() < deadline:
+        time.sleep(2)
+    assert scheduled and all(r["expected_start_time"][11:16] == "02:00" for r in scheduled), "scheduler made no runs"
 
     deployment = deployments["train-drafter"]
     tiny = PipelineConfig.model_validate({**TINY, "run_dir": str(tmp_path / "run")}).model_dump(mode="json")
@@ -139,7 +144,7 @@ def test_custom_run_from_the_ui_completes(prefect_server, tmp_path: Path):
         (tmp_path / "submit.js").write_text(SUBMIT_JS)
         args = [base, deployment["id"], "Max New Tokens (Optional)", "6", str(shot)]
         subprocess.run(["node", str(tmp_path / "submit.js"), *args], env=node_env, check=True, timeout=180)
-        runs = api_post(base, "/flow_runs/filter", {})
+        runs = api_post(base, "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment["id"]]}}})
         assert len(runs) == 1 and runs[0]["parameters"]["config"]["evaluation"]["max_new_tokens"] == 6
         run_id = runs[0]["id"]
         deadline = time.monotonic() + 1500
