@@ -66,14 +66,39 @@ def prepare_state_dir(state_dir: Path, key: str, events: RunEvents, group: Group
     barrier(group)
 
 
+VOCAB_TENSORS = ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight")
+
+
+def warm_start(draft: Eagle3Draft, previous: Eagle3Draft, source: str) -> None:
+    """Copy a previous drafter's trained layers into `draft`, which already carries this run's vocabulary.
+
+    A nightly run may have a new draft vocabulary (new samples, new counts): `lm_head` rows are matched by
+    TARGET token id, so a token kept in the vocabulary keeps its trained row and a new token keeps the
+    target's row that `from_target` gave it; `d2t`/`t2d` stay this run's.
+    """
+    own, old = draft.state_dict(), previous.state_dict()
+    for name, tensor in old.items():
+        if name in VOCAB_TENSORS:
+            continue
+        if name not in own or own[name].shape != tensor.shape:
+            raise ValueError(f"warm start {source}: tensor {name} {tuple(tensor.shape)} does not fit this draft")
+        own[name].copy_(tensor)
+    old_rows = {int(t): i for i, t in enumerate(previous.draft_to_target(torch.arange(len(previous.d2t))))}
+    new_targets = draft.draft_to_target(torch.arange(len(draft.d2t)))  # [draft_vocab] target ids
+    kept = [(j, old_rows[int(t)]) for j, t in enumerate(new_targets) if int(t) in old_rows]
+    if kept:
+        new_idx, old_idx = (torch.tensor(ix) for ix in zip(*kept, strict=True))
+        with torch.no_grad():
+            draft.lm_head.weight[new_idx] = previous.lm_head.weight[old_idx].to(draft.lm_head.weight.dtype)
+
+
 def build_draft(config: PipelineConfig, target: TargetModel, draft_config: DraftConfig, d2t, t2d) -> Eagle3Draft:
     torch.manual_seed(config.training.seed)
+    draft = Eagle3Draft.from_target(draft_config, target.root_path, t2d, d2t)
     if config.training.warm_start:
-        draft = Eagle3Draft.from_exported(config.training.warm_start, target.root_path)
-        if draft.config.to_json() != draft_config.to_json():
-            raise ValueError(f"warm start {config.training.warm_start}: its shape or vocabulary differ from this run's")
-        return draft
-    return Eagle3Draft.from_target(draft_config, target.root_path, t2d, d2t)
+        previous = Eagle3Draft.from_exported(config.training.warm_start, target.root_path)
+        warm_start(draft, previous, config.training.warm_start)
+    return draft
 
 
 def train_draft(

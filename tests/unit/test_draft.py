@@ -160,3 +160,31 @@ def test_lse_merge_used_by_flex_matches_reference() -> None:
     merged = merge_diagonal(q, out0, scores.logsumexp(-1), torch.stack(keys[1:]), torch.stack(values[1:]))
     want = reference_ttt_attention(q, keys, values, document_ids)
     torch.testing.assert_close(merged, want, rtol=1e-5, atol=1e-6)  # the merge computes in fp32
+
+
+def test_warm_start_keeps_trained_layers_and_rows_of_tokens_in_both_vocabularies():
+    """Nightly regeneration warm-starts from yesterday's drafter under a new vocabulary: every layer is
+    copied, a kept token keeps its trained lm_head row, a new token keeps the row it was initialised with."""
+    from eagle3_core.training.phase import warm_start
+
+    previous, draft = tiny_draft(seed=1), tiny_draft(seed=2)
+    initial_rows = draft.lm_head.weight.detach().clone()
+    warm_start(draft, previous, "yesterday")
+    assert torch.equal(draft.fc.weight, previous.fc.weight)
+    assert torch.equal(draft.midlayer.self_attn.o_proj.weight, previous.midlayer.self_attn.o_proj.weight)
+    old_targets = previous.draft_to_target(torch.arange(40)).tolist()
+    new_targets = draft.draft_to_target(torch.arange(40)).tolist()
+    shared = [t for t in new_targets if t in old_targets]
+    assert 0 < len(shared) < 40
+    for j, token in enumerate(new_targets):
+        expected = previous.lm_head.weight[old_targets.index(token)] if token in shared else initial_rows[j]
+        assert torch.equal(draft.lm_head.weight[j], expected)
+    assert not torch.equal(draft.d2t, previous.d2t)
+
+
+def test_warm_start_from_a_draft_of_another_shape_is_refused():
+    from eagle3_core.training.phase import warm_start
+
+    other = Eagle3Draft(DraftConfig(**{**tiny_config().to_json(), "intermediate_size": 48})).double()
+    with pytest.raises(ValueError, match=r"warm start other: tensor midlayer\.mlp"):
+        warm_start(tiny_draft(), other, "other")
