@@ -16,9 +16,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train EAGLE-
 console = Console()
 
 ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")]
-SetOption = Annotated[
-    list[str] | None, typer.Option("--set", "-s", help="Override a field: --set training.lr=3e-4")
-]
+SetOption = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a field: --set training.lr=3e-4")]
 
 
 def resolve_config(config: Path | None, overrides: list[str] | None) -> PipelineConfig:
@@ -59,6 +57,55 @@ def prepare_target_command(
     cfg = resolve_config(config, (set_ or []) + ([f"target.model={model}"] if model else []))
     target = prepare_target(cfg.target, run_events(cfg))
     console.print(target.model_dump_json(indent=2, exclude={"files"}), highlight=False, markup=False)
+
+
+@app.command("run")
+def run_command(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    nightly: Annotated[
+        bool, typer.Option("--nightly", help="Run nightly-regenerate (warm start, keep the better drafter).")
+    ] = False,
+) -> None:
+    """Run the whole flow locally through Prefect (ephemeral by default, or the server at PREFECT_API_URL);
+    completed phases return from cache. Prints the run summary and the acceptance report."""
+    import os
+    import signal
+    import sys
+    import time
+
+    cfg = resolve_config(config, set_)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
+    # The ephemeral API server gets 20 s to start by default: too little on a busy 2-core machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    # Prefect turns SIGTERM into a crash of the running task, then re-delivers it to the handler it found:
+    # with the default one the process dies at once, the flow run stays Running and no on_crashed hook
+    # stops the engines. Exiting via SystemExit lets the flow engine record the crash and run its hooks.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    start = time.monotonic()
+    if nightly:
+        from flows.regenerate import regenerate as flow_function
+    else:
+        from flows.train_drafter import train_drafter as flow_function
+    report = flow_function(cfg)
+    summary = (cfg.run_dir / "summary" / "summary.md").read_text()
+    console.print(summary.split("![acceptance")[0], highlight=False, markup=False)
+    console.print(
+        f"acceptance length {report.acceptance_length:.3f} at k={report.num_speculative_tokens}; "
+        f"flow wall time {time.monotonic() - start:.1f} s",
+        highlight=False,
+    )
+
+
+@app.command("deploy")
+def deploy_command(
+    gpu_slots: Annotated[int, typer.Option(help="Slots of the `gpu` concurrency limit when created.")] = 1,
+) -> None:
+    """Create the `gpu` process work pool and concurrency limit, and register the deployments of
+    prefect.yaml (train-drafter on demand, nightly-regenerate at 02:00 UTC) on the PREFECT_API_URL server."""
+    from deployments.setup import set_up
+
+    console.print(set_up(gpu_slots), highlight=False)
 
 
 @app.command("extract")
@@ -127,55 +174,6 @@ def evaluate_command(
         highlight=False,
         markup=False,
     )
-
-
-@app.command("run")
-def run_command(
-    config: ConfigOption = None,
-    set_: SetOption = None,
-    nightly: Annotated[
-        bool, typer.Option("--nightly", help="Run nightly-regenerate (warm start, keep the better drafter).")
-    ] = False,
-) -> None:
-    """Run the whole flow locally through Prefect (ephemeral by default, or the server at PREFECT_API_URL);
-    completed phases return from cache. Prints the run summary and the acceptance report."""
-    import os
-    import signal
-    import sys
-    import time
-
-    cfg = resolve_config(config, set_)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
-    # The ephemeral API server gets 20 s to start by default: too little on a busy 2-core machine.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    # Prefect turns SIGTERM into a crash of the running task, then re-delivers it to the handler it found:
-    # with the default one the process dies at once, the flow run stays Running and no on_crashed hook
-    # stops the engines. Exiting via SystemExit lets the flow engine record the crash and run its hooks.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    start = time.monotonic()
-    if nightly:
-        from flows.regenerate import regenerate as flow_function
-    else:
-        from flows.train_drafter import train_drafter as flow_function
-    report = flow_function(cfg)
-    summary = (cfg.run_dir / "summary" / "summary.md").read_text()
-    console.print(summary.split("![acceptance")[0], highlight=False, markup=False)
-    console.print(
-        f"acceptance length {report.acceptance_length:.3f} at k={report.num_speculative_tokens}; "
-        f"flow wall time {time.monotonic() - start:.1f} s",
-        highlight=False,
-    )
-
-
-@app.command("deploy")
-def deploy_command(
-    gpu_slots: Annotated[int, typer.Option(help="Slots of the `gpu` concurrency limit when created.")] = 1,
-) -> None:
-    """Create the `gpu` process work pool and concurrency limit, and register the deployments of
-    prefect.yaml (train-drafter on demand, nightly-regenerate at 02:00 UTC) on the PREFECT_API_URL server."""
-    from deployments.setup import set_up
-
-    console.print(set_up(gpu_slots), highlight=False)
 
 
 @app.command("sample")
@@ -256,9 +254,7 @@ def train_command(config: ConfigOption = None, set_: SetOption = None) -> None:
 @app.command("export")
 def export_command(
     out: Annotated[Path, typer.Option("--out", help="Folder to write config.json + model.safetensors to.")],
-    state: Annotated[
-        Path | None, typer.Option("--state", help="Training state file (default: the newest).")
-    ] = None,
+    state: Annotated[Path | None, typer.Option("--state", help="Training state file (default: the newest).")] = None,
     config: ConfigOption = None,
     set_: SetOption = None,
 ) -> None:
