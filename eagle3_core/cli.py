@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 from rich.console import Console
 
+from eagle3_core.artifacts import Manifest
 from eagle3_core.config import ConfigError, PipelineConfig, dump_config, load_config
 from eagle3_core.events import RunEvents
+
+ManifestT = TypeVar("ManifestT", bound=Manifest)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train EAGLE-3 drafters end to end.")
 console = Console()
@@ -30,6 +33,14 @@ def resolve_config(config: Path | None, overrides: list[str] | None) -> Pipeline
 
 def run_events(cfg: PipelineConfig) -> RunEvents:
     return RunEvents(cfg.run_dir)
+
+
+def load_upstream(kind: type[ManifestT], folder: Path, made_by: str) -> ManifestT:
+    """The manifest an earlier phase wrote in `folder`, or exit naming the command that makes it."""
+    if not (folder / f"{kind.kind}.json").is_file():
+        console.print(f"[red]error:[/red] no {kind.kind}.json in {folder}: run `eagle3 {made_by}` first")
+        raise typer.Exit(2)
+    return kind.load(folder)
 
 
 @app.callback()
@@ -125,11 +136,7 @@ def extract_command(
 
     cfg = resolve_config(config, set_)
     events = run_events(cfg)
-    sample_dir = samples or cfg.run_dir / "samples"
-    if not (sample_dir / f"{SampleSet.kind}.json").is_file():
-        console.print(f"[red]error:[/red] no {SampleSet.kind}.json in {sample_dir}: run sampling or pass --samples")
-        raise typer.Exit(2)
-    sample_set = SampleSet.load(sample_dir)
+    sample_set = load_upstream(SampleSet, samples or cfg.run_dir / "samples", "sample")
     target = prepare_target(cfg.target, events)
     with rich_progress() as progress:
         hidden = extract_hidden_states(cfg, sample_set, target, events, progress=progress)
@@ -222,7 +229,7 @@ def vocab_command(
 
     cfg = resolve_config(config, set_)
     events = run_events(cfg)
-    sample_set = SampleSet.load(samples or cfg.run_dir / "samples")
+    sample_set = load_upstream(SampleSet, samples or cfg.run_dir / "samples", "sample")
     vocab_map = build_vocab_map(cfg, sample_set, prepare_target(cfg.target, events), events)
     console.print(
         f"draft vocabulary {vocab_map.draft_vocab_size} of {vocab_map.target_vocab_size} tokens, coverage "
@@ -242,8 +249,8 @@ def train_command(config: ConfigOption = None, set_: SetOption = None) -> None:
 
     cfg = resolve_config(config, set_)
     events = run_events(cfg)
-    hidden = HiddenStateSet.load(cfg.run_dir / "hidden_states")
-    vocab_map = VocabMap.load(cfg.run_dir / "vocab")
+    hidden = load_upstream(HiddenStateSet, cfg.run_dir / "hidden_states", "extract")
+    vocab_map = load_upstream(VocabMap, cfg.run_dir / "vocab", "vocab")
     target = prepare_target(cfg.target, events)
     with rich_progress() as progress:
         checkpoint = train_draft(cfg, hidden, vocab_map, target, events, progress=progress)
@@ -264,8 +271,8 @@ def export_command(
     from eagle3_core.training.phase import export_training_state
 
     cfg = resolve_config(config, set_)
-    hidden = HiddenStateSet.load(cfg.run_dir / "hidden_states")
-    vocab_map = VocabMap.load(cfg.run_dir / "vocab")
+    hidden = load_upstream(HiddenStateSet, cfg.run_dir / "hidden_states", "extract")
+    vocab_map = load_upstream(VocabMap, cfg.run_dir / "vocab", "vocab")
     target = prepare_target(cfg.target, run_events(cfg))
     paths = export_training_state(cfg, hidden, vocab_map, target, out, state)
     console.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
