@@ -72,7 +72,10 @@ def plan_shards(rows: list[dict], samples_per_shard: int) -> list[list[dict]]:
 
 
 def shard_key(key: str, rows: list[dict]) -> str:
-    return sha256_json({"phase_key": key, "sample_ids": [r["id"] for r in rows]})
+    """A shard is done for this plan when the phase settings, the target and the very token ids of its
+    samples are the same. The SampleSet digest is left out on purpose: new prompts change it, and must
+    cost only the shards that hold new samples (the nightly run extracts only what is new)."""
+    return sha256_json({"phase_key": key, "samples": [(r["id"], sha256_json(r["input_ids"])) for r in rows]})
 
 
 def done_record(out_dir: Path, name: str, key: str) -> dict | None:
@@ -170,7 +173,7 @@ def extract_hidden_states(
         events.record(PHASE, CACHE_HIT, f"hidden states at {out_dir} are complete and valid", digest=cached.digest)
         return cached
 
-    key = sha256_json({"config": cfg, "upstream": upstream})
+    key = sha256_json({"config": cfg, "target": upstream["target"]})
     rows = training_rows(sample_set, config.sampling.holdout_fraction)
     if not rows:
         raise ValueError(f"{sample_set.root}: no ok, non-held-out samples to extract")

@@ -156,3 +156,19 @@ def test_fp8_extraction_stays_within_the_stated_error_of_bf16(tmp_path, sample_s
         for name in ("aux", "last"):
             rel = (b[name] - a[name]).norm(dim=-1) / a[name].norm(dim=-1)
             assert rel.max() < FP8_MAX_RELATIVE_ERROR, (name, rel.max())
+
+
+def test_new_samples_cost_only_the_shards_that_hold_them(tmp_path, smollm2_target, tiny_llama):
+    """The nightly run adds prompts: the SampleSet digest changes, yet shards whose samples are unchanged
+    are kept and only the new samples are extracted."""
+    config, events = make_config(tmp_path), RunEvents(tmp_path)
+    first = build_sample_set(tmp_path / "s6", smollm2_target.root_path, num_ok=6)
+    extract_hidden_states(config, first, tiny_llama, events)
+    out = tmp_path / "hidden_states"
+    mtimes = [(out / f"shard-0000{i}.safetensors").stat().st_mtime_ns for i in range(2)]
+    grown = build_sample_set(tmp_path / "s8", smollm2_target.root_path, num_ok=8)
+    assert grown.digest != first.digest
+    hidden = extract_hidden_states(config, grown, tiny_llama, events)
+    assert [e["pending"] for e in events.read() if e["event"] == RESUME] == [["shard-00002.safetensors"]]
+    assert [(out / f"shard-0000{i}.safetensors").stat().st_mtime_ns for i in range(2)] == mtimes
+    assert hidden.samples == 8
