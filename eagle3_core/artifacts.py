@@ -114,6 +114,19 @@ class Manifest(BaseModel):
         return cls.from_json(path.read_text(), source=str(path))
 
     @classmethod
+    def load_valid(cls, folder: Path) -> Any:
+        """The manifest saved in `folder` if it exists, parses and its files are intact; else None."""
+        path = Path(folder) / f"{cls.kind}.json"
+        if not path.exists():
+            return None
+        try:
+            manifest = cls.load(path)
+            manifest.validate()
+        except (ArtifactInvalid, ValueError, OSError):
+            return None
+        return manifest
+
+    @classmethod
     def from_json(cls, data: str, source: str = "<json>") -> Any:
         """Parse a manifest; a recorded digest that differs from the content's is an edited manifest."""
         raw = json.loads(data)

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eagle3_core.artifacts import ArtifactInvalid, DraftCheckpoint, EvalReport, SampleSet, TargetModel, record_files
+from eagle3_core.artifacts import DraftCheckpoint, EvalReport, SampleSet, TargetModel, record_files
 from eagle3_core.config import PipelineConfig
 from eagle3_core.evaluation.prompts import (
     EvalPrompt,
@@ -297,13 +297,8 @@ def build_report(
 
 def cached_report(eval_dir: Path, key: str, floor: float) -> EvalReport | None:
     """The saved report of the same inputs and floor with all its files intact, or None."""
-    path = eval_dir / f"{EvalReport.kind}.json"
-    if not path.exists():
-        return None
-    try:
-        report = EvalReport.load(path)
-        report.validate()
-    except (ArtifactInvalid, ValueError, OSError):
+    report = EvalReport.load_valid(eval_dir)
+    if report is None:
         return None
     same_floor = report.config.get("evaluation", {}).get("acceptance_floor") == floor
     return report if report.config.get("key") == key and same_floor else None

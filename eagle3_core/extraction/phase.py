@@ -102,15 +102,8 @@ def write_done_record(out_dir: Path, shard: Path, key: str, samples: list[Sample
 
 
 def cached_manifest(out_dir: Path, config: dict, upstream: dict) -> HiddenStateSet | None:
-    path = out_dir / f"{HiddenStateSet.kind}.json"
-    if not path.exists():
-        return None
-    try:
-        manifest = HiddenStateSet.load(path)
-        manifest.validate()
-    except (ArtifactInvalid, ValueError, OSError):
-        return None
-    return manifest if manifest.config == config and manifest.upstream == upstream else None
+    manifest = HiddenStateSet.load_valid(out_dir)
+    return manifest if manifest is not None and manifest.config == config and manifest.upstream == upstream else None
 
 
 @contextmanager

@@ -44,14 +44,8 @@ def target_rms_eps(target: TargetModel) -> float:
 
 
 def cached_checkpoint(out_dir: Path, cfg: dict, upstream: dict) -> DraftCheckpoint | None:
-    path = out_dir / f"{DraftCheckpoint.kind}.json"
-    if not path.exists():
-        return None
-    try:
-        stored = DraftCheckpoint.load(path)
-    except ValueError:
-        return None
-    return stored if stored.config == cfg and stored.upstream == upstream and stored.is_valid() else None
+    stored = DraftCheckpoint.load_valid(out_dir)
+    return stored if stored is not None and stored.config == cfg and stored.upstream == upstream else None
 
 
 def prepare_state_dir(state_dir: Path, key: str, events: RunEvents, group: Group) -> None:
