@@ -71,6 +71,15 @@ def _tau(acceptance: dict[str, Any] | None) -> float | None:
     return AcceptanceStats.from_json(acceptance).acceptance_length if acceptance and acceptance["drafts"] else None
 
 
+def speedup_cell(speedup: float | None, tau: float | None) -> str:
+    """A measured speedup, flagged when above τ: a step of speculative decoding emits at most τ tokens on
+    average and costs at least one target pass, so a speedup above τ is timing noise (a busy machine during
+    the plain run), never a property of the draft."""
+    if speedup is None or tau is None or speedup <= tau:
+        return fmt(speedup, 2)
+    return f"{fmt(speedup, 2)} (noise: above τ)"
+
+
 def guard_lines(summary: dict[str, Any]) -> list[str]:
     if not summary["guard"]:
         return [f"**Guard**: passed (position-0 acceptance ≥ {summary['floor']})"]
@@ -110,8 +119,9 @@ def markdown_report(summary: dict[str, Any]) -> str:
         a, b = measured(summary, "transformers", name), measured(summary, "vllm", name)
         lines.append(
             f"| {name} | {a.get('prompts', '—')} | {fmt(a['tau_by_k'][k - 1] if a else None)} | "
-            f"{fmt(_tau(a.get('acceptance')))} | {fmt(_tau(b.get('acceptance')))} | "
-            f"{fmt(b.get('batch1', {}).get('speedup'), 2)} | {fmt(b.get('concurrent', {}).get('speedup'), 2)} |"
+            f"{fmt(_tau(a.get('acceptance')))} | {fmt(tau_b := _tau(b.get('acceptance')))} | "
+            f"{speedup_cell(b.get('batch1', {}).get('speedup'), tau_b)} | "
+            f"{speedup_cell(b.get('concurrent', {}).get('speedup'), tau_b)} |"
         )
     lines += ["", "## Per-position acceptance (share of steps accepted up to and including position i)", ""]
     positions = max(hf["k"], k)

@@ -67,3 +67,11 @@ def test_report_with_vllm_only(tmp_path: Path) -> None:
     assert f"| humaneval | — | — | — | {1 + 13 / 12:.3f} | 1.25 | 0.90 |" in text
     assert "(a) not measured: with_transformers is false" in text and "τ by k" not in text
     assert png.stat().st_size > 10_000
+
+
+def test_report_flags_a_speedup_above_tau_as_noise(tmp_path: Path) -> None:
+    """τ = 1 + 13/12 ≈ 2.08 here: 2.5× cannot come from the draft, only from a busy machine during one run."""
+    noisy = summary(None)
+    noisy["vllm"]["sets"]["humaneval"]["batch1"]["speedup"] = 2.5
+    markdown, _ = write_report(noisy, tmp_path)
+    assert f"| {1 + 13 / 12:.3f} | 2.50 (noise: above τ) | 0.90 |" in markdown.read_text()
