@@ -10,6 +10,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+SECRET_KEY_VARIABLE = "EAGLE3_API_KEY"
+
 
 class ConfigError(ValueError):
     """A configuration file or override that does not fit `PipelineConfig`; the message names the field."""
@@ -38,6 +40,9 @@ class ServerConfig(Section):
     api_key_env: str | None = Field(
         None, description="Name of the environment variable holding the server's API key (never the key)."
     )
+    api_key_secret: str | None = Field(
+        None, description="Name of a Prefect Secret block holding the server's API key (never the key)."
+    )
     host: str = Field("127.0.0.1", description="Interface the started server binds; loopback by default.")
     port: int = Field(0, ge=0, le=65535, description="Port of the started server; 0 picks a free one.")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor-parallel size (GPUs per engine).")
@@ -63,6 +68,11 @@ class ServerConfig(Section):
     gpu_release_timeout_s: float = Field(
         120, ge=0, description="Longest wait for GPU memory to be released after the server stops."
     )
+
+    def api_key_variable(self) -> str | None:
+        """The environment variable the key is read from: `api_key_env`, else, when the key comes from a
+        Secret block (which the Prefect tasks copy into the environment), SECRET_KEY_VARIABLE."""
+        return self.api_key_env or (SECRET_KEY_VARIABLE if self.api_key_secret else None)
 
 
 class SamplingConfig(Section):
