@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -85,10 +86,13 @@ def atomic_path(path: Path, needed: int | None = None) -> Iterator[Path]:
     except Exception as exc:
         written = tmp.stat().st_size if tmp.exists() else 0
         tmp.unlink(missing_ok=True)
+        links = [link for link in (exc, exc.__cause__, exc.__context__) if link is not None]
+        for link in links:
+            # The writer's frames may hold the deleted temporary file open (pyarrow does), and with it the
+            # space, for as long as this exception lives: release them now.
+            traceback.clear_frames(link.__traceback__)
         free = free_bytes(path.parent)
-        if any(is_disk_full(link) for link in (exc, exc.__cause__, exc.__context__) if link is not None) or (
-            needed is not None and needed > free
-        ):
+        if any(is_disk_full(link) for link in links) or (needed is not None and needed > free):
             raise DiskFullError(path, max(needed or 0, written), free) from exc
         raise
     finally:
