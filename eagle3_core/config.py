@@ -246,7 +246,10 @@ def parse_override(override: str) -> tuple[list[str], Any]:
     key, sep, raw = override.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {override!r} is not of the form section.field=value")
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    try:
+        return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML: {exc}") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -273,6 +276,10 @@ def load_config(path: Path | str | None = None, overrides: list[str] | None = No
             data = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError as exc:
             raise ConfigError(f"config file not found: {path}") from exc
+        except IsADirectoryError as exc:
+            raise ConfigError(f"{path}: is a folder, not a config file") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
         if not isinstance(data, dict):

@@ -25,7 +25,9 @@ from eagle3_core.events import RESUME, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction import extract_hidden_states
 from eagle3_core.files import DiskFullError, free_bytes
 from eagle3_core.progress import ProgressUpdate
-from eagle3_core.sample_table import read_part, write_part
+from eagle3_core.sample_table import iter_rows, read_part, write_part
+from eagle3_core.sampling import sample_prompts
+from eagle3_core.serving import VllmServer
 from eagle3_core.training.state import LATEST, latest_state, save_state
 
 BALLAST = "ballast.bin"
@@ -126,3 +128,39 @@ def test_extraction_fills_the_disk_then_resumes_from_its_finished_shards(tmp_pat
         resume = [e for e in events.read() if e["event"] == RESUME]
         assert len(resume) == 1 and f"{len(kept)} of 4 shards done" in resume[0]["message"]
         assert events.count(WEIGHT_LOAD) == 2
+
+
+@pytest.mark.slow
+def test_sampling_fills_the_disk_then_resumes_keeping_its_rows(tmp_path, smollm2_target):
+    run_dir = tmp_path / "run"
+    config = PipelineConfig(
+        run_dir=run_dir,
+        server={"stall_timeout_s": 300, "startup_timeout_s": 600},
+        sampling={"max_prompts": 8, "max_tokens": 16, "concurrency": 1, "rows_per_part": 2},
+    )
+    events = RunEvents(run_dir)
+    with (
+        small_disk(run_dir / "samples", 1024) as disk,
+        VllmServer(config.server, smollm2_target.root, run_dir, events) as server,
+    ):
+
+        def fill_after_first_part(update: ProgressUpdate) -> None:
+            """Another job takes the disk once the first part (two rows) is written."""
+            if update.done >= 2 and not (disk / BALLAST).exists():
+                fill(disk)
+
+        with pytest.raises(DiskFullError) as error:
+            sample_prompts(config, smollm2_target, events, progress=fill_after_first_part, server=server)
+        assert f"{disk / 'part-00001.parquet'}" in str(error.value) and "bytes are free" in str(error.value)
+        assert leftovers(disk) == []
+        assert sorted(p.name for p in disk.glob("part-*")) == ["part-00000.parquet"]
+        written = read_part(disk / "part-00000.parquet")
+        assert [r["status"] for r in written] == ["ok", "ok"]
+
+        (disk / BALLAST).unlink()
+        sample_set = sample_prompts(config, smollm2_target, events, server=server)
+        assert (sample_set.prompts, sample_set.ok, sample_set.error) == (8, 8, 0)
+        rows = {r["id"]: r for r in iter_rows(sample_set)}
+        assert all(rows[r["id"]]["response"] == r["response"] for r in written)
+        [resume] = [e for e in events.read() if e["event"] == RESUME]
+        assert resume["kept"] == 2
