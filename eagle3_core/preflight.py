@@ -125,14 +125,19 @@ def gpu_check(needed: int, check_busy: bool) -> str | None:
     return gpu_problem(needed, visible_gpus(), {pid: mib for pid, mib in busy.items() if pid != os.getpid()})
 
 
-def conclude(phase: str, events: RunEvents, checks: dict[str, Any], problems: list[str | None]) -> None:
-    """Record the one preflight line and raise if anything is wrong."""
+def conclude(phase: str, events: RunEvents | None, checks: dict[str, Any], problems: list[str | None]) -> None:
+    """Record the one preflight line (unless `events` is None: another rank records it) and raise if
+    anything is wrong."""
     found = [p for p in problems if p]
-    summary = "; ".join(f"{k} {v}" for k, v in checks.items())
+    message = (
+        f"preflight failed: {'; '.join(found)}"
+        if found
+        else "preflight ok: " + "; ".join(f"{k} {v}" for k, v in checks.items())
+    )
+    if events is not None:
+        events.record(phase, PREFLIGHT, message, ok=not found, problems=found, **checks)
     if found:
-        events.record(phase, PREFLIGHT, f"preflight failed: {'; '.join(found)}", ok=False, problems=found, **checks)
         raise PreflightError(f"preflight of {phase} failed (nothing was loaded):\n  - " + "\n  - ".join(found))
-    events.record(phase, PREFLIGHT, f"preflight ok: {summary}", ok=True, **checks)
 
 
 def preflight_sampling(
@@ -201,8 +206,9 @@ def preflight_training(
     target: TargetModel,
     draft_vocab_size: int,
     out_dir: Path,
-    events: RunEvents,
+    events: RunEvents | None,
 ) -> None:
+    """`events` None: a torchrun rank other than the main one (it checks, the main rank records)."""
     tc = config.training
     layers = layer_problem(hidden_states.layer_ids, target.num_layers, "hidden_states.layer_ids")
     parameters = 0 if layers else draft_parameters(target, draft_vocab_size, hidden_states.layer_ids)

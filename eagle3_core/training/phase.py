@@ -115,8 +115,9 @@ def train_draft(
     if cached is not None:
         events.record(PHASE, CACHE_HIT, f"draft at {out_dir} is trained and valid", digest=cached.digest)
         return cached
-    preflight_training(config, hidden_states, target, vocab_map.draft_vocab_size, out_dir, events)
     group = init_group(tc.device)
+    recorder = events if group.is_main else None  # every rank checks, one line is logged
+    preflight_training(config, hidden_states, target, vocab_map.draft_vocab_size, out_dir, recorder)
     d2t, t2d = load_vocab_tensors(vocab_map, hidden_states.upstream.get("sample_set", ""))
     target_config = json.loads((target.root_path / "config.json").read_text())
     draft_config = DraftConfig.from_target_config(target_config, vocab_map.draft_vocab_size, hidden_states.layer_ids)

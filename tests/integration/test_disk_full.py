@@ -21,9 +21,10 @@ from extraction_fixtures import build_sample_set
 
 from eagle3_core.artifacts import HiddenStateSet
 from eagle3_core.config import PipelineConfig
-from eagle3_core.events import RESUME, WEIGHT_LOAD, RunEvents
+from eagle3_core.events import PREFLIGHT, RESUME, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction import extract_hidden_states
 from eagle3_core.files import DiskFullError, free_bytes
+from eagle3_core.preflight import PreflightError
 from eagle3_core.progress import ProgressUpdate
 from eagle3_core.sample_table import iter_rows, read_part, write_part
 from eagle3_core.sampling import sample_prompts
@@ -86,6 +87,21 @@ def test_a_full_disk_while_saving_a_training_checkpoint_keeps_the_previous_one(t
         assert leftovers(disk) == []
         assert latest_state(disk) == disk / "step-00000001.pt"
         assert json.loads((disk / LATEST).read_text())["step"] == 1
+
+
+def test_extraction_on_a_disk_too_small_fails_in_preflight_without_loading_weights(tmp_path, smollm2_target):
+    sample_set = build_sample_set(tmp_path / "samples", smollm2_target.root_path, num_ok=4)
+    run_dir = tmp_path / "run"
+    config = PipelineConfig(run_dir=run_dir, extraction={"backend": "hf", "device": "cpu"})
+    events = RunEvents(run_dir)
+    with small_disk(run_dir / "hidden_states", 256) as disk:
+        with pytest.raises(PreflightError) as error:
+            extract_hidden_states(config, sample_set, smollm2_target, events)
+        assert f"{disk}: needs about" in str(error.value) and "bytes are free" in str(error.value)
+        assert list(disk.iterdir()) == []
+    [line] = [e for e in events.read() if e["event"] == PREFLIGHT]
+    assert line["ok"] is False and line["disk_needed"] > line["disk_free"]
+    assert events.count(WEIGHT_LOAD) == 0
 
 
 @pytest.mark.slow
