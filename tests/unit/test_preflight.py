@@ -14,6 +14,7 @@ from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import PREFLIGHT, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction import extract_hidden_states
+from eagle3_core.files import DiskFullError
 from eagle3_core.preflight import (
     PreflightError,
     checkpoint_bytes,
@@ -120,3 +121,15 @@ def test_training_preflight_counts_the_drafts_checkpoints(tmp_path, target_copy)
     [line] = events.read()
     assert line["ok"] is True and line["draft_parameters"] > 0
     assert line["disk_needed"] == checkpoint_bytes(line["draft_parameters"], config.training.keep_checkpoints)
+
+
+def test_disk_full_and_preflight_failures_are_never_retried():
+    """A retry would fail the same way (after another weight load) until the user acts."""
+    from tasks.policy import is_deterministic
+
+    disk_full = DiskFullError(Path("/run/hidden_states/shard-00003.safetensors"), 10**9, 10**6)
+    wrapped = RuntimeError("writing a shard failed")
+    wrapped.__cause__ = disk_full
+    assert is_deterministic(disk_full) and is_deterministic(wrapped)
+    assert is_deterministic(PreflightError("preflight of extraction failed"))
+    assert not is_deterministic(OSError(5, "Input/output error"))
