@@ -16,6 +16,7 @@ from typing import Any
 
 CHUNK = 1 << 22
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
 
 
 class DiskFullError(OSError):
@@ -56,9 +57,6 @@ def sha256_file(path: Path) -> str:
 def sha256_json(value: Any) -> str:
     """Digest of a JSON-able value, independent of key order."""
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
-
-
-DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
 
 
 def is_disk_full(exc: BaseException) -> bool:
