@@ -14,7 +14,7 @@ import pytest
 from prefect import flow
 from prefect.blocks.system import Secret
 from prefect.client.orchestration import get_client
-from prefect.logging.handlers import APILogHandler
+from prefect.logging.handlers import APILogWorker
 from prefect.testing.utilities import prefect_test_harness
 
 from eagle3_core.artifacts import SampleSet, TargetModel
@@ -47,7 +47,7 @@ def listening_addresses(port: int) -> set[str]:
 def prefect_records() -> tuple[str, int, int]:
     """Every log, artifact, flow run and task run the Prefect API holds, as one text; and the counts of
     logs and artifacts (so the grep is known to have looked at something)."""
-    APILogHandler.flush()
+    APILogWorker.drain_all(timeout=30)
     with get_client(sync_client=True) as client:
         logs = client.read_logs()
         artifacts = client.read_artifacts()
