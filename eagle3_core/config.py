@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 SECRET_KEY_VARIABLE = "EAGLE3_API_KEY"
+SECRET_REFUSED = "secret_refused"  # a validation error whose input must not be echoed
 
 
 class ConfigError(ValueError):
@@ -68,6 +70,16 @@ class ServerConfig(Section):
     gpu_release_timeout_s: float = Field(
         120, ge=0, description="Longest wait for GPU memory to be released after the server stops."
     )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_key_in_args(cls, args: list[str]) -> list[str]:
+        """A key on the command line would be in `ps`, events.jsonl, the pid file and every config dump."""
+        if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in args):
+            raise PydanticCustomError(
+                SECRET_REFUSED, "--api-key is refused here: name the key's variable in server.api_key_env instead"
+            )
+        return args
 
     def api_key_variable(self) -> str | None:
         """The environment variable the key is read from: `api_key_env`, else, when the key comes from a
@@ -237,7 +249,8 @@ def _error_message(exc: ValidationError, source: str) -> str:
     for err in exc.errors():
         path = ".".join(str(p) for p in err["loc"]) or "<root>"
         reason = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-        lines.append(f"  {path}: {reason} (got {err.get('input')!r})")
+        got = "" if err["type"] == SECRET_REFUSED else f" (got {err.get('input')!r})"
+        lines.append(f"  {path}: {reason}{got}")
     return "\n".join(lines)
 
 

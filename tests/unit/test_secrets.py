@@ -4,10 +4,11 @@ config (and so every dump, manifest and cache key) carries only the block's name
 from __future__ import annotations
 
 import pytest
+import yaml
 from prefect.blocks.system import Secret
 from prefect.testing.utilities import prefect_test_harness
 
-from eagle3_core.config import SECRET_KEY_VARIABLE, PipelineConfig, dump_config
+from eagle3_core.config import SECRET_KEY_VARIABLE, ConfigError, PipelineConfig, dump_config, load_config
 from eagle3_core.serving import api_key_of
 from tasks.secrets import export_api_key
 
@@ -42,3 +43,13 @@ def test_no_block_no_key(monkeypatch):
     monkeypatch.delenv(SECRET_KEY_VARIABLE, raising=False)
     export_api_key(PipelineConfig().server)
     assert api_key_of(PipelineConfig().server) is None
+
+
+@pytest.mark.parametrize("args", [["--api-key", KEY], [f"--api-key={KEY}"]])
+def test_a_key_in_extra_args_is_refused_without_echoing_it(tmp_path, args):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"server": {"extra_args": args}}))
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert "server.extra_args" in str(error.value) and "server.api_key_env" in str(error.value)
+    assert KEY not in str(error.value)
