@@ -12,13 +12,18 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
 from eagle3_core.files import sha256_file, sha256_json, write_text_atomic
 
 
 class ArtifactInvalid(RuntimeError):
     """A manifest whose files are missing or changed; the phase that made it must run again."""
+
+
+def field_errors(exc: ValidationError) -> str:
+    """`files.0.bytes: Input should be a valid integer; ...`: each failing field by its path."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors())
 
 
 class FileRecord(BaseModel):
@@ -111,7 +116,11 @@ class Manifest(BaseModel):
         path = Path(path)
         if path.is_dir():
             path = path / f"{cls.kind}.json"
-        return cls.from_json(path.read_text(), source=str(path))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ArtifactInvalid(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        return cls.from_json(text, source=str(path))
 
     @classmethod
     def load_valid(cls, folder: Path) -> Any:
@@ -128,9 +137,19 @@ class Manifest(BaseModel):
 
     @classmethod
     def from_json(cls, data: str, source: str = "<json>") -> Any:
-        """Parse a manifest; a recorded digest that differs from the content's is an edited manifest."""
-        raw = json.loads(data)
-        manifest = cls.model_validate(raw)
+        """Parse a manifest; a recorded digest that differs from the content's is an edited manifest.
+        Malformed JSON or fields raise `ArtifactInvalid` naming `source` and the line or field."""
+        try:
+            raw = json.loads(data)
+        except json.JSONDecodeError as exc:
+            where = f"{source}: line {exc.lineno} column {exc.colno}"
+            raise ArtifactInvalid(f"{where}: not valid JSON: {exc.msg}") from None
+        except RecursionError:
+            raise ArtifactInvalid(f"{source}: JSON nested too deeply to be a manifest") from None
+        try:
+            manifest = cls.model_validate(raw)
+        except ValidationError as exc:
+            raise ArtifactInvalid(f"{source}: not a valid {cls.kind}: {field_errors(exc)}") from None
         if "digest" in raw and raw["digest"] != manifest.digest:
             raise ArtifactInvalid(f"{source}: recorded digest does not match the manifest's content")
         return manifest

@@ -9,7 +9,7 @@ from typing import Annotated, TypeVar
 import typer
 from rich.console import Console
 
-from eagle3_core.artifacts import Manifest
+from eagle3_core.artifacts import ArtifactInvalid, Manifest
 from eagle3_core.config import ConfigError, PipelineConfig, dump_config, load_config
 from eagle3_core.events import RunEvents
 
@@ -40,7 +40,11 @@ def load_upstream(kind: type[ManifestT], folder: Path, made_by: str) -> Manifest
     if not (folder / f"{kind.kind}.json").is_file():
         console.print(f"[red]error:[/red] no {kind.kind}.json in {folder}: run `eagle3 {made_by}` first")
         raise typer.Exit(2)
-    return kind.load(folder)
+    try:
+        return kind.load(folder)
+    except ArtifactInvalid as exc:
+        console.print(f"[red]error:[/red] {exc}: run `eagle3 {made_by}` again")
+        raise typer.Exit(2) from None
 
 
 @app.callback()

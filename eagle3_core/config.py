@@ -8,7 +8,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+SECRET_KEY_VARIABLE = "EAGLE3_API_KEY"
+SECRET_REFUSED = "secret_refused"  # a validation error whose input must not be echoed
 
 
 class ConfigError(ValueError):
@@ -38,6 +42,9 @@ class ServerConfig(Section):
     api_key_env: str | None = Field(
         None, description="Name of the environment variable holding the server's API key (never the key)."
     )
+    api_key_secret: str | None = Field(
+        None, description="Name of a Prefect Secret block holding the server's API key (never the key)."
+    )
     host: str = Field("127.0.0.1", description="Interface the started server binds; loopback by default.")
     port: int = Field(0, ge=0, le=65535, description="Port of the started server; 0 picks a free one.")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor-parallel size (GPUs per engine).")
@@ -63,6 +70,21 @@ class ServerConfig(Section):
     gpu_release_timeout_s: float = Field(
         120, ge=0, description="Longest wait for GPU memory to be released after the server stops."
     )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_key_in_args(cls, args: list[str]) -> list[str]:
+        """A key on the command line would be in `ps`, events.jsonl, the pid file and every config dump."""
+        if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in args):
+            raise PydanticCustomError(
+                SECRET_REFUSED, "--api-key is refused here: name the key's variable in server.api_key_env instead"
+            )
+        return args
+
+    def api_key_variable(self) -> str | None:
+        """The environment variable the key is read from: `api_key_env`, else, when the key comes from a
+        Secret block (which the Prefect tasks copy into the environment), SECRET_KEY_VARIABLE."""
+        return self.api_key_env or (SECRET_KEY_VARIABLE if self.api_key_secret else None)
 
 
 class SamplingConfig(Section):
@@ -227,7 +249,8 @@ def _error_message(exc: ValidationError, source: str) -> str:
     for err in exc.errors():
         path = ".".join(str(p) for p in err["loc"]) or "<root>"
         reason = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-        lines.append(f"  {path}: {reason} (got {err.get('input')!r})")
+        got = "" if err["type"] == SECRET_REFUSED else f" (got {err.get('input')!r})"
+        lines.append(f"  {path}: {reason}{got}")
     return "\n".join(lines)
 
 
@@ -236,7 +259,10 @@ def parse_override(override: str) -> tuple[list[str], Any]:
     key, sep, raw = override.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {override!r} is not of the form section.field=value")
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    try:
+        return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML: {exc}") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -263,6 +289,10 @@ def load_config(path: Path | str | None = None, overrides: list[str] | None = No
             data = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError as exc:
             raise ConfigError(f"config file not found: {path}") from exc
+        except IsADirectoryError as exc:
+            raise ConfigError(f"{path}: is a folder, not a config file") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
         if not isinstance(data, dict):

@@ -21,6 +21,7 @@ WEIGHT_LOAD = "weight_load"
 ENGINE_START = "engine_start"
 ENGINE_STOP = "engine_stop"
 DECISION = "decision"
+PREFLIGHT = "preflight"
 
 
 class RunEvents:

@@ -3,15 +3,47 @@ computed once, while it is written, and recorded in its manifest."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 CHUNK = 1 << 22
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
+
+
+class DiskFullError(OSError):
+    """A write that ran out of disk space or quota. The message names the file, the bytes the write needed
+    and the bytes free; nothing of the write is left behind. Retrying does not help until space is freed."""
+
+    def __init__(self, path: Path, needed: int, free: int):
+        self.path, self.needed, self.free = Path(path), needed, free
+        super().__init__(
+            errno.ENOSPC,
+            f"disk full writing {path}: the write needs about {needed:,} bytes, {free:,} bytes are free on "
+            f"its file system; free space (or set run_dir elsewhere) and run again: finished work is kept",
+        )
+
+    def __str__(self) -> str:
+        return self.strerror
+
+    def __reduce__(self):
+        return DiskFullError, (self.path, self.needed, self.free)
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes free to this user on the file system of `path` (or of its nearest existing ancestor)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 def sha256_file(path: Path) -> str:
@@ -27,11 +59,19 @@ def sha256_json(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def is_disk_full(exc: BaseException) -> bool:
+    """True for ENOSPC/EDQUOT, also where a library reports it only in its message (safetensors does)."""
+    return (isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS) or any(t in str(exc) for t in DISK_FULL_TEXT)
+
+
 @contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
+def atomic_path(path: Path, needed: int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it over `path` only when the block succeeds.
 
-    On any error (a full disk included) the temporary file is removed and `path` is left as it was.
+    On any error the temporary file is removed and `path` is left as it was. A full disk or quota is
+    raised as `DiskFullError` naming `path`, the bytes needed and the bytes free: recognised by its errno
+    or message, or, for writers that hide it (torch.save), by `needed` (the write's size, where the caller
+    knows it) exceeding the space free once the temporary file is gone.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -41,12 +81,24 @@ def atomic_path(path: Path) -> Iterator[Path]:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except Exception as exc:
+        written = tmp.stat().st_size if tmp.exists() else 0
+        tmp.unlink(missing_ok=True)
+        links = [link for link in (exc, exc.__cause__, exc.__context__) if link is not None]
+        for link in links:
+            # The writer's frames may hold the deleted temporary file open (pyarrow does), and with it the
+            # space, for as long as this exception lives: release them now.
+            traceback.clear_frames(link.__traceback__)
+        free = free_bytes(path.parent)
+        if any(is_disk_full(link) for link in links) or (needed is not None and needed > free):
+            raise DiskFullError(path, max(needed or 0, written), free) from exc
+        raise
     finally:
         tmp.unlink(missing_ok=True)
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    with atomic_path(path) as tmp:
+    with atomic_path(path, needed=len(data)) as tmp:
         tmp.write_bytes(data)
 
 

@@ -69,13 +69,20 @@ def prompt_from_record(record: Any) -> Prompt:
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[str, Prompt]]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
             where = f"{path}:{number}"
             try:
-                yield where, prompt_from_record(json.loads(line))
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+            except UnicodeDecodeError as exc:
+                raise PromptFileError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+            except (ValueError, RecursionError) as exc:
+                raise PromptFileError(f"{where}: not a JSON object: {exc}") from None
+            try:
+                yield where, prompt_from_record(record)
             except (ValueError, TypeError) as exc:
                 raise PromptFileError(f"{where}: {exc}") from None
 
@@ -89,9 +96,9 @@ def read_parquet(path: Path) -> Iterator[tuple[str, Prompt]]:
         raise PromptFileError(f"{path}: not a readable Parquet file: {exc}") from None
     for number, row in enumerate(rows, start=1):
         where = f"{path}: row {number}"
-        if isinstance(row.get("messages"), str):
-            row = {**row, "messages": json.loads(row["messages"])}
         try:
+            if isinstance(row.get("messages"), str):
+                row = {**row, "messages": json.loads(row["messages"])}
             yield where, prompt_from_record(row)
         except (ValueError, TypeError) as exc:
             raise PromptFileError(f"{where}: {exc}") from None

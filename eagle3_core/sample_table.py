@@ -63,7 +63,7 @@ def normalise_row(row: dict[str, Any]) -> dict[str, Any]:
 def write_part(rows: list[dict[str, Any]], path: Path) -> Path:
     """Write one Parquet part atomically: readers see all of its rows or none."""
     table = pa.Table.from_pylist([normalise_row(r) for r in rows], schema=SCHEMA)
-    with atomic_path(path) as tmp:
+    with atomic_path(path, needed=table.nbytes) as tmp:
         pq.write_table(table, tmp, compression="zstd")
     return path
 

@@ -22,6 +22,7 @@ from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.chat_tokens import ChatTokenizer, split_reasoning
 from eagle3_core.config import PipelineConfig, SamplingConfig
 from eagle3_core.events import DECISION, RunEvents
+from eagle3_core.preflight import preflight_sampling
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.prompts import Prompt, load_prompts
 from eagle3_core.sample_store import (
@@ -228,6 +229,7 @@ def sample_prompts(
     kept = prepare_sample_dir(out_dir, key, {p.id for p in prompts}, events, PHASE)
     work = [(i, p) for i, p in enumerate(prompts) if p.id not in kept]
     if work:
+        preflight_sampling(config, target, out_dir, len(work), server is None, events)
         writer = PartWriter(out_dir, config.sampling.rows_per_part)
         counts = RowProgress(progress, len(kept), len(prompts))
         try:

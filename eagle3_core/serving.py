@@ -194,7 +194,8 @@ def build_env(config: ServerConfig, api_key: str | None) -> dict[str, str]:
 
 
 def api_key_of(config: ServerConfig) -> str | None:
-    return os.environ.get(config.api_key_env) if config.api_key_env else None
+    variable = config.api_key_variable()
+    return os.environ.get(variable) if variable else None
 
 
 class ExternalServer:

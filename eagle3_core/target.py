@@ -54,6 +54,11 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype: str) -> None:
     tmp.rename(out_dir)
 
 
+def tokenizer_digest(sha_by_file: dict[str, str]) -> str:
+    """One digest over the tokenizer files present (file name -> sha256); other files are ignored."""
+    return sha256_json({name: sha for name, sha in sha_by_file.items() if name in TOKENIZER_FILES})
+
+
 def describe_folder(model_dir: Path, name: str, source: str) -> TargetModel:
     """Build the manifest of a Hugging Face folder: hashes config and tokenizer, records weight sizes."""
     config = json.loads((model_dir / "config.json").read_text())
@@ -80,7 +85,7 @@ def describe_folder(model_dir: Path, name: str, source: str) -> TargetModel:
         vocab_size=text["vocab_size"],
         tie_word_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
         config_digest=files[0].sha256,
-        tokenizer_digest=sha256_json({f.path: f.sha256 for f in files[1:] if f.path in TOKENIZER_FILES}),
+        tokenizer_digest=tokenizer_digest({f.path: f.sha256 for f in files[1:]}),
         chat_template=template,
         weights={p.name: p.stat().st_size for p in sorted(model_dir.glob("*.safetensors"))},
     )

@@ -26,7 +26,9 @@ from eagle3_core.artifacts import ArtifactInvalid, Manifest
 from eagle3_core.config import ConfigError, PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.faults import InjectedFault, check_fault
-from eagle3_core.files import sha256_json
+from eagle3_core.files import DiskFullError, sha256_json
+from eagle3_core.preflight import PreflightError
+from tasks.secrets import export_api_key
 
 ExtraContent = Callable[[PipelineConfig], Any]
 R = TypeVar("R")
@@ -37,6 +39,7 @@ SERVER_OPERATIONAL = (
     "server.host",
     "server.port",
     "server.api_key_env",
+    "server.api_key_secret",
     "server.gpu_memory_utilization",
     "server.env",
     "server.startup_timeout_s",
@@ -137,6 +140,8 @@ DETERMINISTIC = (
     ArtifactInvalid,
     InjectedFault,
     ConfigError,
+    DiskFullError,  # space must be freed first
+    PreflightError,
 )
 # Matched by name: importing them would load torch or the evaluation phase into every task module.
 DETERMINISTIC_NAMES = {"OutOfMemoryError", "AcceptanceBelowFloor"}
@@ -178,7 +183,9 @@ def result_storage_dir(config: PipelineConfig) -> Path:
 
 
 def configured(task: Task, config: PipelineConfig, phase: str) -> Task:
-    """The task with this run's options: result storage, timeout, retries with exponential backoff."""
+    """The task with this run's options: result storage, timeout, retries with exponential backoff. The
+    server's API key, where it lives in a Prefect Secret block, is put into this process's environment."""
+    export_api_key(config.server)
     orchestration = config.orchestration
     storage = result_storage_dir(config)
     storage.mkdir(parents=True, exist_ok=True)

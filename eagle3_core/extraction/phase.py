@@ -30,6 +30,7 @@ from eagle3_core.extraction.storage import (
 )
 from eagle3_core.files import sha256_json, write_text_atomic
 from eagle3_core.models import check_layer_ids, default_aux_layer_ids
+from eagle3_core.preflight import preflight_extraction
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.sample_table import is_heldout, iter_rows
 
@@ -184,6 +185,11 @@ def extract_hidden_states(
         )
     if pending:
         layer_ids = cfg["layer_ids"]
+        needed = int(
+            sum(len(r["input_ids"]) for i in pending for r in shards[i])
+            * bytes_per_token(target.hidden_size, config.extraction.dtype)
+        )
+        preflight_extraction(config, sample_set, target, out_dir, layer_ids, needed, server is None, events)
         max_tokens = max(len(r["input_ids"]) for r in rows)
         with open_backend(config, target, layer_ids, events, progress, server, max_tokens) as backend:
             run_shards(backend, out_dir, shards, keys, pending, config.extraction, target.hidden_size, progress)

@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3_core.files import atomic_path
+from eagle3_core.files import DiskFullError, atomic_path
 
 FORMAT = "eagle3-hidden-states"
 FORMAT_VERSION = "1"
@@ -159,7 +159,8 @@ def write_shard(path: Path, samples: list[SampleStates], dtype: str, metadata: d
         **metadata,
     }
     tensors = shard_tensors(samples, dtype)
-    with atomic_path(Path(path)) as tmp:
+    needed = sum(t.nbytes for t in tensors.values()) + len(json.dumps(meta))
+    with atomic_path(Path(path), needed=needed) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
     return Path(path)
 
@@ -242,6 +243,8 @@ class BackgroundShardWriter:
                 self._queue.task_done()
 
     def _raise_pending_error(self) -> None:
+        if isinstance(self._error, DiskFullError):
+            raise self._error
         if self._error is not None:
             raise RuntimeError(f"writing a shard failed: {self._error}") from self._error
 

@@ -17,6 +17,7 @@ from eagle3_core.draft import DraftConfig, Eagle3Draft
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.export import export_draft
 from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.preflight import preflight_training
 from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.training.distributed import Group, barrier, init_group
 from eagle3_core.training.loop import PHASE, run_training, split_validation
@@ -115,6 +116,8 @@ def train_draft(
         events.record(PHASE, CACHE_HIT, f"draft at {out_dir} is trained and valid", digest=cached.digest)
         return cached
     group = init_group(tc.device)
+    recorder = events if group.is_main else None  # every rank checks, one line is logged
+    preflight_training(config, hidden_states, target, vocab_map.draft_vocab_size, out_dir, recorder)
     d2t, t2d = load_vocab_tensors(vocab_map, hidden_states.upstream.get("sample_set", ""))
     target_config = json.loads((target.root_path / "config.json").read_text())
     draft_config = DraftConfig.from_target_config(target_config, vocab_map.draft_vocab_size, hidden_states.layer_ids)

@@ -47,6 +47,17 @@ def gather_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[d
     return model, get_optimizer_state_dict(module, optimizer, options=FULL)
 
 
+def tensor_bytes(value: Any) -> int:
+    """Bytes of every tensor inside nested dicts and lists: about what `torch.save` writes."""
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
 def save_state(
     state_dir: Path,
     step: int,
@@ -68,7 +79,7 @@ def save_state(
         "position": position,
         "history": history,
     }
-    with atomic_path(path) as tmp:
+    with atomic_path(path, needed=tensor_bytes(payload)) as tmp:
         torch.save(payload, tmp)
     write_text_atomic(state_dir / LATEST, json.dumps({"file": path.name, "step": step}))
     for old in sorted(state_dir.glob("step-*.pt"))[:-keep]:

