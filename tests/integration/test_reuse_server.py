@@ -93,6 +93,10 @@ def seeded_run_dir(source: Path, run_dir: Path) -> Path:
     return run_dir
 
 
+def hidden_state_set(run_dir: Path) -> HiddenStateSet:
+    return HiddenStateSet.load(run_dir / "hidden_states" / f"{HiddenStateSet.kind}.json")
+
+
 def states_by_id(hidden_states: HiddenStateSet) -> dict[str, dict[str, torch.Tensor]]:
     dataset = HiddenStateDataset(hidden_states, 4096)
     return {sid: HiddenStateDataset(hidden_states, 4096, [sid])[0] for sid in dataset.sample_ids}
@@ -136,8 +140,8 @@ def test_reuse_mode_samples_and_extracts_with_one_weight_load(reuse_run):
 
 @pytest.mark.timeout(1800)
 def test_reuse_mode_stores_the_states_of_the_separate_mode(separate_run, reuse_run):
-    separate = states_by_id(HiddenStateSet.load(separate_run[2] / "hidden_states" / "HiddenStateSet.json"))
-    reused = states_by_id(HiddenStateSet.load(reuse_run[2] / "hidden_states" / "HiddenStateSet.json"))
+    separate = states_by_id(hidden_state_set(separate_run[2]))
+    reused = states_by_id(hidden_state_set(reuse_run[2]))
     assert set(separate) < set(reused), "the reuse run extracted the separate run's samples and the new ones"
     for sid, a in separate.items():
         b = reused[sid]
