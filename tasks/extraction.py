@@ -4,14 +4,13 @@ concurrency or device."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import task
 
 from eagle3_core.artifacts import HiddenStateSet, SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.faults import faulting_progress
+from eagle3_core.shared_server import SharedServer
 from tasks.gpu import phase_slot
 from tasks.policy import SERVER_OPERATIONAL, PhaseCachePolicy, phase_task_options, run_phase
 from tasks.progress import PrefectProgress
@@ -38,7 +37,7 @@ POLICY = PhaseCachePolicy(
 
 @task(**phase_task_options(POLICY))
 def extract_hidden_states_task(
-    config: PipelineConfig, sample_set: SampleSet, target: TargetModel, shared: Any = None
+    config: PipelineConfig, sample_set: SampleSet, target: TargetModel, shared: SharedServer | None = None
 ) -> HiddenStateSet:
     """Extract the states of every sample not extracted yet (resumes per shard), on its own engine or on
     `shared` (the SharedServer sampling used; part of no cache key)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
-from typing import Any
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
@@ -38,7 +37,7 @@ def gpu_slot(name: str) -> Iterator[None]:
         yield
 
 
-def phase_slot(name: str, shared: Any) -> AbstractContextManager[None]:
+def phase_slot(name: str, shared: object | None) -> AbstractContextManager[None]:
     """The slot a phase holds: `gpu_slot(name)` when it starts its own engine; none when it uses a shared
     server (`shared` not None), which holds the slot itself from its start to its stop."""
     return nullcontext() if shared is not None else gpu_slot(name)

@@ -4,7 +4,6 @@ is generated, and on the prompt files' contents (a file edited in place is new d
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from prefect import task
 
@@ -14,6 +13,7 @@ from eagle3_core.events import RunEvents
 from eagle3_core.faults import faulting_progress
 from eagle3_core.files import sha256_file
 from eagle3_core.prompts import DEMO, demo_prompts_path
+from eagle3_core.shared_server import SharedServer
 from tasks.gpu import phase_slot
 from tasks.policy import SERVER_OPERATIONAL, PhaseCachePolicy, phase_task_options, run_phase
 from tasks.progress import PrefectProgress
@@ -46,7 +46,7 @@ POLICY = PhaseCachePolicy(
 
 
 @task(**phase_task_options(POLICY))
-def sample_prompts_task(config: PipelineConfig, target: TargetModel, shared: Any = None) -> SampleSet:
+def sample_prompts_task(config: PipelineConfig, target: TargetModel, shared: SharedServer | None = None) -> SampleSet:
     """Sample every prompt not sampled yet; the phase starts and stops its own engine (try/finally), or
     uses `shared` (a SharedServer the flow stops; part of no cache key)."""
     from eagle3_core.sampling import sample_prompts

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import torch
 
+from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.extraction.connector import CONNECTOR_NAME, EXTRACT_REQUEST
@@ -171,7 +172,7 @@ def open_vllm_backend(
 
 def shared_server(
     config: PipelineConfig,
-    target: Any,
+    target: TargetModel,
     events: RunEvents,
     hold: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> SharedServer:
