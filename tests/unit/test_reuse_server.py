@@ -15,14 +15,17 @@ from vllm import SamplingParams
 from eagle3_core.config import ConfigError, PipelineConfig
 from eagle3_core.events import DECISION, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction.connector import EXTRACT_REQUEST, HiddenStatesConnector, wants_hidden_states
+from eagle3_core.prompts import load_prompts
 from eagle3_core.reuse_decision import (
     estimate_reuse,
     last_engine_start_s,
     last_seconds_per_prompt,
+    pending_prompts,
     resolve_reuse,
     reuse_saves_time,
     sampling_slowdown_s,
 )
+from eagle3_core.sample_store import PartWriter, prepare_sample_dir, run_key
 from eagle3_core.shared_server import SharedServer, running_server
 from tasks.shared_server import sampling_and_extraction_server
 
@@ -118,6 +121,21 @@ def test_without_history_auto_estimates_from_the_weights_size_and_the_assumed_ra
     assert estimate.sampling_s == pytest.approx(20 * 100 / 100), "20 prompts of 100 tokens at 100 tokens/s"
     assert estimate.slowdown_s == pytest.approx(20)
     assert estimate.reuse
+
+
+def test_only_prompts_without_an_ok_row_of_the_same_parameters_count_as_pending(tmp_path, smollm2_target):
+    config = small_config(tmp_path, "auto")
+    assert pending_prompts(config, smollm2_target) == 20, "nothing sampled yet"
+    prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
+    samples = config.run_dir / "samples"
+    prepare_sample_dir(samples, run_key(config, smollm2_target, prompts), set(), RunEvents(config.run_dir), "sampling")
+    writer = PartWriter(samples, rows_per_part=2)
+    for prompt, status in zip(prompts, ["ok", "ok", "error", "skipped"], strict=False):
+        writer.add({"id": prompt.id, "messages": prompt.messages, "status": status})
+    writer.flush()
+    assert pending_prompts(config, smollm2_target) == 18
+    longer = config.model_copy(update={"sampling": config.sampling.model_copy(update={"max_tokens": 200})})
+    assert pending_prompts(longer, smollm2_target) == 20, "rows made with other parameters are not kept"
 
 
 def test_auto_records_its_choice_with_the_numbers(tmp_path, smollm2_target):
