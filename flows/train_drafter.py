@@ -3,6 +3,10 @@
 Tasks are called without an enclosing transaction, so each phase commits its own result the moment it
 completes: a failed training never rolls back an extraction, and the next run (same config) returns every
 completed phase as Cached and resumes the unfinished one from its last shard or checkpoint.
+
+With `extraction.reuse_sampling_server` resolved to reuse, sampling and extraction get one shared vLLM
+server (a task parameter outside every cache key); it is stopped right after extraction, or in the
+`finally` of that block when either phase fails.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from tasks.evaluation import evaluate_draft_task
 from tasks.extraction import extract_hidden_states_task
 from tasks.policy import configured
 from tasks.sampling import sample_prompts_task
+from tasks.shared_server import sampling_and_extraction_server
 from tasks.target import prepare_target_task
 from tasks.training import train_draft_task
 from tasks.vocab import build_vocab_map_task
@@ -35,9 +40,9 @@ class PhaseRunner:
         self.config = config
         self.phases: list[PhaseRun] = []
 
-    def __call__(self, task: Task, phase: str, *upstream: Manifest) -> Any:
+    def __call__(self, task: Task, phase: str, *upstream: Manifest, **options: Any) -> Any:
         start = time.monotonic()
-        state = configured(task, self.config, phase)(self.config, *upstream, return_state=True)
+        state = configured(task, self.config, phase)(self.config, *upstream, return_state=True, **options)
         seconds = time.monotonic() - start
         self.phases.append(PhaseRun(phase=phase, state=state.name, seconds=seconds, message=state.message or ""))
         return state.result()
@@ -45,8 +50,9 @@ class PhaseRunner:
 
 def run_all_phases(config: PipelineConfig, runner: Callable[..., Any]) -> tuple[DraftCheckpoint, EvalReport]:
     target = runner(prepare_target_task, "prepare_target")
-    samples = runner(sample_prompts_task, "sampling", target)
-    hidden_states = runner(extract_hidden_states_task, "extraction", samples, target)
+    with sampling_and_extraction_server(config, target) as shared:
+        samples = runner(sample_prompts_task, "sampling", target, shared=shared)
+        hidden_states = runner(extract_hidden_states_task, "extraction", samples, target, shared=shared)
     vocab_map = runner(build_vocab_map_task, "vocab", samples, target)
     checkpoint = runner(train_draft_task, "training", hidden_states, vocab_map, target)
     report = runner(evaluate_draft_task, "evaluation", checkpoint, target, samples)

@@ -10,7 +10,8 @@ from eagle3_core.artifacts import HiddenStateSet, SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.faults import faulting_progress
-from tasks.gpu import gpu_slot
+from eagle3_core.shared_server import SharedServer
+from tasks.gpu import phase_slot
 from tasks.policy import SERVER_OPERATIONAL, PhaseCachePolicy, phase_task_options, run_phase
 from tasks.progress import PrefectProgress
 
@@ -26,19 +27,25 @@ POLICY = PhaseCachePolicy(
         "extraction.concurrency",
         "extraction.device",
         "extraction.reuse_sampling_server",
+        "extraction.reuse_generation_penalty",
+        "extraction.reuse_load_gb_per_s",
+        "extraction.reuse_generation_tokens_per_s",
         "extraction.writer_threads",
     ),
 )
 
 
 @task(**phase_task_options(POLICY))
-def extract_hidden_states_task(config: PipelineConfig, sample_set: SampleSet, target: TargetModel) -> HiddenStateSet:
-    """Extract the states of every sample not extracted yet (resumes per shard)."""
+def extract_hidden_states_task(
+    config: PipelineConfig, sample_set: SampleSet, target: TargetModel, shared: SharedServer | None = None
+) -> HiddenStateSet:
+    """Extract the states of every sample not extracted yet (resumes per shard), on its own engine or on
+    `shared` (the SharedServer sampling used; part of no cache key)."""
     from eagle3_core.extraction import extract_hidden_states
 
-    with gpu_slot(config.orchestration.gpu_limit):
+    with phase_slot(config.orchestration.gpu_limit, shared):
         progress = faulting_progress(PHASE, PrefectProgress(config.orchestration.progress_interval_s))
+        events = RunEvents(config.run_dir)
         return run_phase(
-            PHASE,
-            lambda: extract_hidden_states(config, sample_set, target, RunEvents(config.run_dir), progress=progress),
+            PHASE, lambda: extract_hidden_states(config, sample_set, target, events, progress=progress, server=shared)
         )

@@ -5,7 +5,7 @@ created with one slot when it does not exist yet, so a fresh Prefect (ephemeral 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
@@ -35,3 +35,9 @@ def gpu_slot(name: str) -> Iterator[None]:
     # A lease renewal that fails once (a busy API) must not kill a 25-minute extraction mid-shard.
     with concurrency(name, occupy=1, strict=True, lease_duration=LEASE_S, raise_on_lease_renewal_failure=False):
         yield
+
+
+def phase_slot(name: str, shared: object | None) -> AbstractContextManager[None]:
+    """The slot a phase holds: `gpu_slot(name)` when it starts its own engine; none when it uses a shared
+    server (`shared` not None), which holds the slot itself from its start to its stop."""
+    return nullcontext() if shared is not None else gpu_slot(name)

@@ -7,6 +7,12 @@ needs an accelerator, and the worker's placeholder event has no `query`. On a CP
 in host memory, so this subclass copies them synchronously and records a copy that is already done;
 on CUDA it leaves the example's asynchronous path untouched. Never patch site-packages instead: the fix
 must travel with this package to every host.
+
+It also writes states only for requests that ask for them: a request whose `kv_transfer_params` carry
+`{"eagle3_extract": true}` (what the extraction backend sends). vLLM's example names a file for every new
+request and delays freeing its blocks until that file is written; here every other request (a sampling
+request on a server shared by sampling and extraction) gets no file, writes nothing and frees its blocks
+at once.
 """
 
 from __future__ import annotations
@@ -14,15 +20,27 @@ from __future__ import annotations
 import fcntl
 import os
 from functools import partial
+from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
+    ExampleHiddenStatesConnectorMetadata,
     PendingSave,
     extract_from_kv_cache,
 )
+from vllm.v1.core.sched.output import SchedulerOutput
 
 CONNECTOR_NAME = "HiddenStatesConnector"
+EXTRACT_KEY = "eagle3_extract"
+EXTRACT_REQUEST = {EXTRACT_KEY: True}
+
+
+def wants_hidden_states(extra_args: dict[str, Any] | None) -> bool:
+    """True when a request's sampling `extra_args` carry `kv_transfer_params` asking for its states (the
+    OpenAI server copies a request body's `kv_transfer_params` there)."""
+    params = (extra_args or {}).get("kv_transfer_params") or {}
+    return bool(params.get(EXTRACT_KEY))
 
 
 class CompletedCopy:
@@ -43,6 +61,17 @@ def slot_mapping(block_ids: list[int], block_size: int) -> torch.Tensor:
 
 
 class HiddenStatesConnector(ExampleHiddenStatesConnector):
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ExampleHiddenStatesConnectorMetadata:
+        """The example's metadata without the new requests that did not ask for their states: with no
+        file name, `request_finished` neither delays their blocks nor saves anything."""
+        meta = super().build_connector_meta(scheduler_output)
+        for new_req in scheduler_output.scheduled_new_reqs:
+            params = new_req.sampling_params
+            if not wants_hidden_states(params.extra_args if params else None):
+                self._request_filenames.pop(new_req.req_id, None)
+                meta.new_req_filenames.pop(new_req.req_id, None)
+        return meta
+
     def _submit_async_write(self, pending: PendingSave) -> None:
         if self._kv_cache is None or self._kv_cache.is_cuda:
             super()._submit_async_write(pending)

@@ -6,27 +6,32 @@ so the stored `last` matches the hf backend's. Each sample's token ids go to `/v
 `max_tokens=1`; the KV connector (`connector.py`) writes the prompt's states to a safetensors file whose
 path comes back in `kv_transfer_params`; the file is read, checked and deleted, its states go into our
 shards. Tensor parallelism, memory share and the rest come from `config.server`; the server lifecycle
-(load progress, stall detection, clean stop) is `eagle3_core.serving`'s.
+(load progress, stall detection, clean stop) is `eagle3_core.serving`'s. `shared_server` builds the one
+server sampling and extraction share when `extraction.reuse_sampling_server` says so
+(`eagle3_core.shared_server`).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 
+from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, RunEvents
-from eagle3_core.extraction.connector import CONNECTOR_NAME
+from eagle3_core.extraction.connector import CONNECTOR_NAME, EXTRACT_REQUEST
+from eagle3_core.extraction.phase import OUT_DIR, resolve_layer_ids
 from eagle3_core.extraction.storage import SampleStates, ShardError
 from eagle3_core.progress import ProgressCallback
+from eagle3_core.shared_server import CONTEXT_MARGIN, SharedServer, running_server
 
 PHASE = "extraction"
 INCOMING_DIR = "incoming"
@@ -86,7 +91,14 @@ class VllmBackend:
 
     def extract_one(self, row: dict) -> SampleStates:
         ids = list(row["input_ids"])
-        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
+        body = {
+            "model": self.model,
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "return_token_ids": True,
+            "kv_transfer_params": EXTRACT_REQUEST,
+        }
         response = self.client.post("/v1/completions", json=body)
         if response.status_code != 200:
             raise ShardError(f"sample {row['id']}: server answered {response.status_code}: {response.text[:300]}")
@@ -125,20 +137,22 @@ def open_vllm_backend(
     server: Any,
     max_tokens: int,
 ) -> Iterator[VllmBackend]:
-    """Use `server` when given (it must run with `extraction_args`), else start one extraction server
-    (one weight load) and stop it on exit. `max_tokens` is the longest sample: the server's context is
-    widened to hold it plus the one generated token."""
+    """Use `server` when given (it must run with `extraction_args`; a SharedServer is started or widened
+    here when needed), else start one extraction server (one weight load) and stop it on exit.
+    `max_tokens` is the longest sample: the server's context is widened to hold it plus the one
+    generated token."""
     from eagle3_core.serving import VllmServer
 
     timeout_s = config.sampling.request_timeout_s
     if server is not None:
-        backend = VllmBackend(server.base_url, server.api_key, config.extraction.concurrency, timeout_s)
+        running = running_server(server, PHASE, progress, max_tokens + 1)
+        backend = VllmBackend(running.base_url, running.api_key, config.extraction.concurrency, timeout_s)
         try:
             yield backend
         finally:
             backend.close()
         return
-    incoming = Path(config.run_dir) / "hidden_states" / INCOMING_DIR
+    incoming = Path(config.run_dir) / OUT_DIR / INCOMING_DIR
     shutil.rmtree(incoming, ignore_errors=True)
     incoming.mkdir(parents=True)
     server_config = config.server
@@ -154,3 +168,26 @@ def open_vllm_backend(
         finally:
             backend.close()
             shutil.rmtree(incoming, ignore_errors=True)
+
+
+def shared_server(
+    config: PipelineConfig,
+    target: TargetModel,
+    events: RunEvents,
+    hold: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> SharedServer:
+    """The server sampling and extraction share: an extraction server whose connector writes states only
+    for requests that ask, with `server.max_model_len + CONTEXT_MARGIN` tokens of context so that every
+    sampled conversation fits with its one generated token. Started on first use."""
+    from eagle3_core.serving import VllmServer
+
+    incoming = Path(config.run_dir) / OUT_DIR / INCOMING_DIR
+    args = extraction_args(resolve_layer_ids(config, target), target.num_layers, incoming.resolve())
+
+    def launch(phase: str, progress: ProgressCallback, context: int) -> VllmServer:
+        shutil.rmtree(incoming, ignore_errors=True)
+        incoming.mkdir(parents=True)
+        server_config = config.server.model_copy(update={"max_model_len": context})
+        return VllmServer(server_config, target.root_path, config.run_dir, events, progress, args, phase).start()
+
+    return SharedServer(launch, config.server.max_model_len + CONTEXT_MARGIN, events, hold)

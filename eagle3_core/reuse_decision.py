@@ -1,0 +1,153 @@
+"""Whether sampling and extraction share one vLLM server (`extraction.reuse_sampling_server`).
+
+`off` keeps two engines (sampling's, then extraction's); `on` shares one; `auto` shares one when the engine
+start it saves outweighs the slower sampling on a server that carries the hidden-states connector:
+
+    reuse  <=>  load_s > sampling_s * penalty / (1 - penalty)
+
+- `load_s`: the last engine start of this target recorded in events.jsonl (WEIGHT_LOAD, the time until the
+  server was healthy), else the size of its weights on disk at `extraction.reuse_load_gb_per_s`;
+- `sampling_s`: the prompts still to sample at the seconds per prompt of the last sampling run recorded in
+  events.jsonl, else at `sampling.max_tokens` tokens each and `extraction.reuse_generation_tokens_per_s`;
+- `penalty`: `extraction.reuse_generation_penalty`, the share of generation tokens/s the connector costs.
+
+The choice is recorded with these numbers as one DECISION line in events.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from eagle3_core.artifacts import TargetModel
+from eagle3_core.config import ConfigError, PipelineConfig
+from eagle3_core.events import DECISION, WEIGHT_LOAD, RunEvents
+from eagle3_core.prompts import load_prompts
+from eagle3_core.sample_store import KEY_FILE, PART_GLOB, row_key, run_key
+
+PHASE = "sampling"
+SAMPLES_DIR = "samples"
+
+
+@dataclass(frozen=True)
+class ReuseEstimate:
+    """The numbers `auto` decides on, and where each came from."""
+
+    load_s: float
+    load_source: str
+    sampling_s: float
+    sampling_source: str
+    penalty: float
+
+    @property
+    def slowdown_s(self) -> float:
+        """Seconds sampling takes longer on the shared server."""
+        return sampling_slowdown_s(self.sampling_s, self.penalty)
+
+    @property
+    def reuse(self) -> bool:
+        return reuse_saves_time(self.load_s, self.sampling_s, self.penalty)
+
+
+def sampling_slowdown_s(sampling_s: float, penalty: float) -> float:
+    """Extra seconds of `sampling_s` worth of generation at (1 - penalty) of the tokens/s."""
+    return sampling_s * penalty / (1 - penalty)
+
+
+def reuse_saves_time(load_s: float, sampling_s: float, penalty: float) -> bool:
+    """True when the engine start saved outweighs the slower sampling."""
+    return load_s > sampling_slowdown_s(sampling_s, penalty)
+
+
+def last_engine_start_s(events: list[dict[str, Any]], model_dir: Path) -> float | None:
+    """Seconds until healthy of the last vLLM start of `model_dir` in the event log, else None."""
+    loads = [e for e in events if e["event"] == WEIGHT_LOAD and str(model_dir) in str(e.get("what", ""))]
+    if not loads:
+        return None
+    return float(loads[-1].get("startup_s", loads[-1]["seconds"]))
+
+
+def last_seconds_per_prompt(events: list[dict[str, Any]]) -> float | None:
+    """Seconds per prompt of the last sampling run in the event log, else None."""
+    runs = [e for e in events if e["phase"] == PHASE and e["event"] == DECISION and e.get("prompts")]
+    return runs[-1]["seconds"] / runs[-1]["prompts"] if runs else None
+
+
+def weights_bytes(model_dir: Path) -> int:
+    return sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
+
+
+def pending_prompts(config: PipelineConfig, target: TargetModel) -> int:
+    """Prompts without an ok row in `<run_dir>/samples` made with the same target and parameters."""
+    prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
+    out_dir = Path(config.run_dir) / SAMPLES_DIR
+    key_path = out_dir / KEY_FILE
+    if not key_path.exists() or json.loads(key_path.read_text()) != row_key(run_key(config, target, prompts)):
+        return len(prompts)
+    ok: set[str] = set()
+    for part in out_dir.glob(PART_GLOB):
+        table = pq.read_table(part, columns=["id", "status"]).to_pydict()
+        ok.update(i for i, status in zip(table["id"], table["status"], strict=True) if status == "ok")
+    return sum(p.id not in ok for p in prompts)
+
+
+def estimate_reuse(config: PipelineConfig, target: TargetModel, events: list[dict[str, Any]]) -> ReuseEstimate:
+    extraction = config.extraction
+    load_s = last_engine_start_s(events, target.root_path)
+    if load_s is not None:
+        load_source = "last engine start in events.jsonl"
+    else:
+        size = weights_bytes(target.root_path)
+        load_s = size / (extraction.reuse_load_gb_per_s * 1e9)
+        load_source = f"{size / 1e9:.2f} GB of weights at {extraction.reuse_load_gb_per_s} GB/s"
+    pending = pending_prompts(config, target)
+    per_prompt = last_seconds_per_prompt(events)
+    if per_prompt is not None:
+        sampling_source = f"{pending} prompts at {per_prompt:.2f} s each (last sampling run)"
+    else:
+        per_prompt = config.sampling.max_tokens / extraction.reuse_generation_tokens_per_s
+        sampling_source = (
+            f"{pending} prompts of {config.sampling.max_tokens} tokens at "
+            f"{extraction.reuse_generation_tokens_per_s:.0f} tokens/s"
+        )
+    penalty = extraction.reuse_generation_penalty
+    return ReuseEstimate(load_s, load_source, pending * per_prompt, sampling_source, penalty)
+
+
+def reuse_supported(config: PipelineConfig) -> bool:
+    """Only a vLLM server this pipeline starts can also extract with the vllm backend."""
+    return config.extraction.backend == "vllm" and config.server.engine == "vllm"
+
+
+def resolve_reuse(config: PipelineConfig, target: TargetModel, events: RunEvents) -> bool:
+    """Whether sampling and extraction share one server; `on` and `auto` record why (see module docstring)."""
+    mode = config.extraction.reuse_sampling_server
+    if mode == "off":
+        return False
+    if not reuse_supported(config):
+        if mode == "on":
+            raise ConfigError(
+                "extraction.reuse_sampling_server is 'on' but sharing needs extraction.backend 'vllm' and "
+                f"server.engine 'vllm' (got {config.extraction.backend!r}, {config.server.engine!r})"
+            )
+        events.record(PHASE, DECISION, "reuse_sampling_server=auto: separate engines (no vLLM server to share)")
+        return False
+    if mode == "on":
+        events.record(PHASE, DECISION, "reuse_sampling_server=on: sampling and extraction share one vLLM server")
+        return True
+    estimate = estimate_reuse(config, target, events.read())
+    choice = "one shared server" if estimate.reuse else "separate engines"
+    events.record(
+        PHASE,
+        DECISION,
+        f"reuse_sampling_server=auto: {choice} (engine start {estimate.load_s:.0f} s vs sampling "
+        f"{estimate.slowdown_s:.0f} s slower: {estimate.sampling_s:.0f} s at {estimate.penalty:.0%} fewer tokens/s)",
+        reuse=estimate.reuse,
+        slowdown_s=estimate.slowdown_s,
+        **asdict(estimate),
+    )
+    return estimate.reuse

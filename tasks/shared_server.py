@@ -1,0 +1,33 @@
+"""The vLLM server sampling and extraction share when `extraction.reuse_sampling_server` resolves to reuse
+(`eagle3_core.reuse_decision`). The flow opens it around the two tasks and hands it to both; it starts on
+first use holding the `gpu` slot, and stops (releasing the slot) when the block ends, on success or
+failure. See `eagle3_core.shared_server` for its lifetime."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+
+from eagle3_core.artifacts import TargetModel
+from eagle3_core.config import PipelineConfig
+from eagle3_core.events import RunEvents
+from eagle3_core.reuse_decision import resolve_reuse
+from eagle3_core.shared_server import SharedServer
+from tasks.gpu import gpu_slot
+
+
+@contextmanager
+def sampling_and_extraction_server(config: PipelineConfig, target: TargetModel) -> Iterator[SharedServer | None]:
+    """The shared server (not started yet), or None when each phase starts its own engine."""
+    events = RunEvents(config.run_dir)
+    if not resolve_reuse(config, target, events):
+        yield None
+        return
+    from eagle3_core.extraction.vllm_backend import shared_server
+
+    server = shared_server(config, target, events, hold=partial(gpu_slot, config.orchestration.gpu_limit))
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,260 @@
+"""Serve-and-extract on one server, the parts that need no vLLM server: the connector's request filter (vLLM's
+own scheduler-side code, run on a connector built without an engine), the `auto` decision, and the shared
+server's lifetime (with stand-in servers)."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from vllm import SamplingParams
+
+from eagle3_core.config import ConfigError, PipelineConfig
+from eagle3_core.events import DECISION, WEIGHT_LOAD, RunEvents
+from eagle3_core.extraction.connector import EXTRACT_REQUEST, HiddenStatesConnector, wants_hidden_states
+from eagle3_core.prompts import load_prompts
+from eagle3_core.reuse_decision import (
+    estimate_reuse,
+    last_engine_start_s,
+    last_seconds_per_prompt,
+    pending_prompts,
+    resolve_reuse,
+    reuse_saves_time,
+    sampling_slowdown_s,
+)
+from eagle3_core.sample_store import PartWriter, prepare_sample_dir, run_key
+from eagle3_core.shared_server import SharedServer, running_server
+from tasks.shared_server import sampling_and_extraction_server
+
+# --- the connector writes states only for requests that ask ------------------------------------------
+
+
+def scheduler_connector(storage: Path) -> HiddenStatesConnector:
+    """The scheduler-side state vLLM's `build_connector_meta` and `request_finished` use, without an engine."""
+    connector = object.__new__(HiddenStatesConnector)
+    connector._pending_saves = {}
+    connector._request_filenames = {}
+    connector._storage_path = str(storage)
+    connector.allow_custom_save_path = False
+    return connector
+
+
+def new_request(req_id: str, kv_transfer_params: dict | None) -> SimpleNamespace:
+    extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+    return SimpleNamespace(req_id=req_id, sampling_params=SamplingParams(max_tokens=1, extra_args=extra_args))
+
+
+def test_only_requests_that_ask_get_a_file_and_hold_their_blocks(tmp_path: Path):
+    connector = scheduler_connector(tmp_path)
+    requests = [new_request("extract", EXTRACT_REQUEST), new_request("sample", None), new_request("other", {})]
+    meta = connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=requests))
+    assert list(meta.new_req_filenames) == ["extract"]
+
+    def finished(req_id: str, params: dict | None):
+        request = SimpleNamespace(request_id=req_id, kv_transfer_params=params, prompt_token_ids=[1, 2, 3])
+        return connector.request_finished(request, block_ids=[0])
+
+    delay, params = finished("extract", EXTRACT_REQUEST)
+    assert delay and params == {"hidden_states_path": str(tmp_path / "extract.safetensors")}
+    assert finished("sample", None) == (False, None), "a sampling request frees its blocks and writes nothing"
+    assert finished("other", {}) == (False, None)
+    assert [p.req_id for p in connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[])).pending_saves] == [
+        "extract"
+    ]
+
+
+def test_the_marker_is_read_from_the_kv_transfer_params_the_server_copies_into_extra_args():
+    assert wants_hidden_states({"kv_transfer_params": EXTRACT_REQUEST})
+    assert not wants_hidden_states(None)
+    assert not wants_hidden_states({"kv_transfer_params": None})
+    assert not wants_hidden_states({"kv_transfer_params": {"eagle3_extract": False}})
+    assert not wants_hidden_states(EXTRACT_REQUEST), "the marker belongs inside kv_transfer_params"
+
+
+# --- auto: the saved engine start against the slower sampling -----------------------------------------
+
+
+def test_reuse_pays_when_the_saved_load_outweighs_the_slower_sampling():
+    assert sampling_slowdown_s(300, 0.25) == pytest.approx(100)
+    assert reuse_saves_time(load_s=1467, sampling_s=600, penalty=0.25)
+    assert not reuse_saves_time(load_s=30, sampling_s=600, penalty=0.25)
+    assert reuse_saves_time(load_s=1, sampling_s=10_000, penalty=0.0), "no penalty: always one load"
+    assert reuse_saves_time(load_s=30, sampling_s=0, penalty=0.9), "nothing to sample: always one load"
+
+
+def load_event(model_dir: str, seconds: float, startup_s: float) -> dict:
+    what = f"vLLM server {model_dir}"
+    return {"phase": "sampling", "event": WEIGHT_LOAD, "what": what, "seconds": seconds, "startup_s": startup_s}
+
+
+def test_history_gives_the_last_engine_start_of_this_target_and_the_seconds_per_prompt():
+    events = [
+        load_event("/models/a", 20, 31),
+        load_event("/models/b", 900, 950),
+        {"phase": "sampling", "event": DECISION, "message": "sampled", "prompts": 10, "seconds": 50.0},
+        load_event("/models/a", 22, 35),
+        {"phase": "sampling", "event": DECISION, "message": "sampled", "prompts": 4, "seconds": 8.0},
+        {"phase": "sampling", "event": DECISION, "message": "parameters changed"},
+    ]
+    assert last_engine_start_s(events, Path("/models/a")) == 35
+    assert last_engine_start_s(events, Path("/models/c")) is None
+    assert last_seconds_per_prompt(events) == 2.0
+    assert last_seconds_per_prompt(events[:2]) is None
+
+
+def small_config(tmp_path: Path, mode: str, **extraction: object) -> PipelineConfig:
+    return PipelineConfig(
+        run_dir=tmp_path / "run",
+        sampling={"max_prompts": 20, "max_tokens": 100},
+        extraction={"reuse_sampling_server": mode, "reuse_generation_penalty": 0.5, **extraction},
+    )
+
+
+def test_without_history_auto_estimates_from_the_weights_size_and_the_assumed_rate(tmp_path, smollm2_target):
+    config = small_config(tmp_path, "auto", reuse_load_gb_per_s=0.001, reuse_generation_tokens_per_s=100)
+    estimate = estimate_reuse(config, smollm2_target, [])
+    size = sum(p.stat().st_size for p in smollm2_target.root_path.glob("*.safetensors"))
+    assert estimate.load_s == pytest.approx(size / 1e6)
+    assert estimate.sampling_s == pytest.approx(20 * 100 / 100), "20 prompts of 100 tokens at 100 tokens/s"
+    assert estimate.slowdown_s == pytest.approx(20)
+    assert estimate.reuse
+
+
+def test_only_prompts_without_an_ok_row_of_the_same_parameters_count_as_pending(tmp_path, smollm2_target):
+    config = small_config(tmp_path, "auto")
+    assert pending_prompts(config, smollm2_target) == 20, "nothing sampled yet"
+    prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
+    samples = config.run_dir / "samples"
+    prepare_sample_dir(samples, run_key(config, smollm2_target, prompts), set(), RunEvents(config.run_dir), "sampling")
+    writer = PartWriter(samples, rows_per_part=2)
+    for prompt, status in zip(prompts, ["ok", "ok", "error", "skipped"], strict=False):
+        writer.add({"id": prompt.id, "messages": prompt.messages, "status": status})
+    writer.flush()
+    assert pending_prompts(config, smollm2_target) == 18
+    longer = config.model_copy(update={"sampling": config.sampling.model_copy(update={"max_tokens": 200})})
+    assert pending_prompts(longer, smollm2_target) == 20, "rows made with other parameters are not kept"
+
+
+def test_auto_records_its_choice_with_the_numbers(tmp_path, smollm2_target):
+    config = small_config(tmp_path, "auto")
+    events = RunEvents(config.run_dir)
+    events.record("sampling", WEIGHT_LOAD, "", what=f"vLLM server {smollm2_target.root_path}", seconds=5, startup_s=30)
+    events.record("sampling", DECISION, "sampled", prompts=20, seconds=100.0)
+    assert not resolve_reuse(config, smollm2_target, events), "30 s saved < 100 s slower sampling"
+    decision = events.read()[-1]
+    assert decision["event"] == DECISION and decision["reuse"] is False
+    assert decision["load_s"] == 30 and decision["sampling_s"] == 100 and decision["slowdown_s"] == 100
+    assert "separate engines" in decision["message"]
+
+    events.record("sampling", WEIGHT_LOAD, "", what=f"vLLM server {smollm2_target.root_path}", seconds=5, startup_s=500)
+    assert resolve_reuse(config, smollm2_target, events)
+    assert "one shared server" in events.read()[-1]["message"]
+
+
+def test_off_decides_nothing_on_shares_and_only_a_vllm_pair_can_share(tmp_path, smollm2_target):
+    events = RunEvents(tmp_path / "run")
+    assert not resolve_reuse(small_config(tmp_path, "off"), smollm2_target, events)
+    assert events.read() == []
+    assert resolve_reuse(small_config(tmp_path, "on"), smollm2_target, events)
+    with pytest.raises(ConfigError, match=r"extraction\.backend 'vllm'"):
+        resolve_reuse(small_config(tmp_path, "on", backend="hf"), smollm2_target, events)
+    assert not resolve_reuse(small_config(tmp_path, "auto", backend="hf"), smollm2_target, events)
+    assert "separate engines" in events.read()[-1]["message"]
+
+
+# --- the shared server's lifetime -------------------------------------------------------------------
+
+
+class StandInServer:
+    def __init__(self, context: int):
+        self.context = context
+        self.base_url, self.api_key = f"http://127.0.0.1/{context}", None
+        self.process = SimpleNamespace(poll=lambda: None)
+        self.stopped = False
+
+    def healthy(self) -> bool:
+        return not self.stopped
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class Recorder:
+    """Launches stand-in servers and tracks the slot the shared server holds."""
+
+    def __init__(self):
+        self.launched: list[StandInServer] = []
+        self.slot: list[str] = []
+
+    def launch(self, phase: str, progress, context: int) -> StandInServer:
+        self.launched.append(StandInServer(context))
+        return self.launched[-1]
+
+    @contextmanager
+    def hold(self):
+        self.slot.append("taken")
+        yield
+        self.slot.append("released")
+
+
+def test_the_server_starts_on_first_use_once_and_releases_the_slot_after_stopping(tmp_path):
+    recorder = Recorder()
+    shared = SharedServer(recorder.launch, 100, RunEvents(tmp_path), recorder.hold)
+    assert recorder.launched == [] and recorder.slot == [], "nothing runs before a phase has work"
+    first = shared.running("sampling")
+    assert shared.running("extraction", context=100) is first
+    assert len(recorder.launched) == 1 and recorder.slot == ["taken"]
+    shared.stop()
+    assert first.stopped and recorder.slot == ["taken", "released"]
+    shared.stop()
+    assert recorder.slot == ["taken", "released"], "stopping twice is harmless"
+
+
+def test_a_dead_or_too_short_server_is_started_again_under_the_same_slot(tmp_path):
+    recorder = Recorder()
+    events = RunEvents(tmp_path)
+    shared = SharedServer(recorder.launch, 100, events, recorder.hold)
+    first = shared.running("sampling")
+    first.process = SimpleNamespace(poll=lambda: -9)  # the engine died
+    second = shared.running("extraction")
+    assert second is not first and first.stopped
+    wider = shared.running("extraction", context=180)
+    assert wider is not second and second.stopped and wider.context == 180
+    assert [e["message"].split(";")[0] for e in events.read()] == [
+        "shared vLLM server is not alive",
+        "shared vLLM server holds 100 tokens, 180 needed",
+    ]
+    shared.stop()
+    assert recorder.slot == ["taken", "released"]
+
+
+def test_a_failed_start_still_releases_the_slot(tmp_path):
+    recorder = Recorder()
+
+    def failing(phase, progress, context):
+        raise RuntimeError("engine failed to start")
+
+    shared = SharedServer(failing, 100, RunEvents(tmp_path), recorder.hold)
+    with pytest.raises(RuntimeError):
+        shared.running("sampling")
+    shared.stop()
+    assert recorder.slot == ["taken", "released"]
+
+
+def test_a_server_handed_in_running_is_used_as_it_is():
+    server = StandInServer(64)
+    assert running_server(server, "extraction", context=10_000) is server
+
+
+def test_the_flow_gets_no_shared_server_when_off_and_an_unstarted_one_when_on(tmp_path, smollm2_target):
+    with sampling_and_extraction_server(small_config(tmp_path, "off"), smollm2_target) as shared:
+        assert shared is None
+    config = small_config(tmp_path, "on")
+    with sampling_and_extraction_server(config, smollm2_target) as shared:
+        assert isinstance(shared, SharedServer) and shared.server is None
+        assert shared.context == config.server.max_model_len + 16
+    assert not list((config.run_dir / "server").glob("*.pid")), "cached phases never start it"
+    assert json.loads((config.run_dir / "events.jsonl").read_text().splitlines()[-1])["event"] == DECISION
