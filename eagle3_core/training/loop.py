@@ -126,7 +126,7 @@ def run_training(
     pad_multiple = 128 if device.type == "cuda" else 1
     objective.to(device)
     head = head.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    module = wrap(objective, group, tc.sharding)
+    module = wrap(objective, group, tc.sharding, early_sync_layer=objective.draft.midlayer)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay, fused=device.type == "cuda"
