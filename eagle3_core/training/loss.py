@@ -7,8 +7,10 @@ all steps: row j predicts token j+1, so draft step k at index i (which predicts 
 against target row i+k+1.
 
 The loss never materialises full fp32 logits: `fused_soft_cross_entropy` walks row chunks, computes each
-chunk's logits once, and forms the gradients w.r.t. the hidden states and lm_head in the same pass
-(d loss / d logits = softmax(draft) - p_target), so backward is two saved tensors times a scalar.
+chunk's logits once (straight into the buffer that keeps d loss / d logits), and a row function overwrites
+them with d loss / d logits = softmax(draft) - p_target, so backward is two saved tensors times a scalar.
+Row functions: `soft_ce_rows` (torch; the CPU path and the reference), its torch.compile'd chunk, and the
+hand-written Triton kernel of `soft_ce_triton` (GPU).
 Imports only torch (the GPU benchmark uses it without pydantic).
 """
 
@@ -24,6 +26,9 @@ from torch import nn
 from eagle3_core.draft import Eagle3Draft
 
 LOSS_CHUNK_ROWS = 4096
+RowsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""(logits [C, Vd], overwritten with d loss / d logits; target_logits [M, Vd]; target_rows [C]; row_weights
+[C]) -> (weighted CE per row [C], draft argmax [C])."""
 
 
 def soft_ce_chunk(
@@ -41,15 +46,43 @@ def soft_ce_chunk(
     return row_loss, grad_logits, log_probs.argmax(-1)
 
 
+def soft_ce_rows(
+    logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    target_rows: torch.Tensor,
+    row_weights: torch.Tensor,
+    chunk_fn: Callable = soft_ce_chunk,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`RowsFn` in torch: the target rows gathered, `chunk_fn` (soft_ce_chunk, or its compiled version),
+    its gradient copied over the logits."""
+    targets = target_logits.index_select(0, target_rows)  # [C, Vd]
+    row_loss, grad_logits, top1 = chunk_fn(logits, targets, row_weights)
+    logits.copy_(grad_logits)
+    return row_loss, top1
+
+
+def compiled_rows_fn() -> RowsFn:
+    """`soft_ce_rows` around the torch.compile'd chunk (inductor)."""
+    compiled = torch.compile(soft_ce_chunk, dynamic=True)
+    return lambda logits, targets, rows, weights: soft_ce_rows(logits, targets, rows, weights, compiled)
+
+
+def triton_rows_fn() -> RowsFn:
+    """The hand-written Triton kernel (GPU only)."""
+    from eagle3_core.training.soft_ce_triton import soft_ce_rows_triton
+
+    return soft_ce_rows_triton
+
+
 class _FusedSoftCrossEntropy(torch.autograd.Function):
     """sum_n row_weight[n] * CE(softmax(target[n]), log_softmax(hidden[n] @ weight.T)), plus each row's
     weighted CE and the draft's argmax (no gradient). Forward keeps d loss / d logits (compute dtype)
-    instead of the logits; backward is two matmuls whose (small) outputs take the incoming scale, so the
-    [N, Vd] gradient is never rewritten. `target_rows` [N] picks each row's target from `target_logits`
-    chunk by chunk (no [N, Vd] gathered copy)."""
+    instead of the logits (each chunk's logits GEMM writes into that buffer, `rows_fn` overwrites them);
+    backward is two matmuls whose (small) outputs take the incoming scale, so the [N, Vd] gradient is never
+    rewritten. `target_rows` [N] picks each row's target from `target_logits` (no [N, Vd] gathered copy)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, weight_c, target_logits, target_rows, row_weights, chunk, chunk_fn):
+    def forward(ctx, hidden, weight, weight_c, target_logits, target_rows, row_weights, chunk, rows_fn):
         hidden_c = hidden.to(weight_c.dtype)  # [N, H]
         grad_logits = torch.empty(hidden.shape[0], weight_c.shape[0], dtype=weight_c.dtype, device=hidden.device)
         accumulate = torch.promote_types(target_logits.dtype, torch.float32)
@@ -58,9 +91,8 @@ class _FusedSoftCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk):
                 rows = slice(start, start + chunk)
-                logits = hidden_c[rows] @ weight_c.T  # [C, Vd]
-                targets = target_logits.index_select(0, target_rows[rows])  # [C, Vd]
-                row_loss[rows], grad_logits[rows], draft_top1[rows] = chunk_fn(logits, targets, row_weights[rows])
+                logits = torch.mm(hidden_c[rows], weight_c.T, out=grad_logits[rows])  # [C, Vd]
+                row_loss[rows], draft_top1[rows] = rows_fn(logits, target_logits, target_rows[rows], row_weights[rows])
         ctx.save_for_backward(hidden_c, weight_c, grad_logits)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         ctx.mark_non_differentiable(row_loss, draft_top1)
@@ -84,17 +116,18 @@ def fused_soft_cross_entropy_rows(
     target_rows: torch.Tensor | None = None,
     weight_c: torch.Tensor | None = None,
     chunk: int = LOSS_CHUNK_ROWS,
-    chunk_fn: Callable = soft_ce_chunk,
+    rows_fn: RowsFn = soft_ce_rows,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden [N, H] (normed draft states), weight [Vd, H] (lm_head, gets the gradient), target_logits
     [M, Vd] with target_rows [N] (row n is scored against target_logits[target_rows[n]]; None: M = N, in
     order), row_weights [N] -> (weighted loss sum, weighted CE per row [N], draft argmax [N]). `weight_c` is
-    the weight in the compute dtype (bf16 on GPU), cast once per batch by the caller."""
+    the weight in the compute dtype (bf16 on GPU), cast once per batch by the caller; `rows_fn` the
+    soft-CE row function (`RowsFn`)."""
     weight_c = weight.detach() if weight_c is None else weight_c
     if target_rows is None:
         target_rows = torch.arange(hidden.shape[0], device=hidden.device)
     return _FusedSoftCrossEntropy.apply(
-        hidden, weight, weight_c, target_logits, target_rows, row_weights, chunk, chunk_fn
+        hidden, weight, weight_c, target_logits, target_rows, row_weights, chunk, rows_fn
     )
 
 
@@ -105,11 +138,11 @@ def fused_soft_cross_entropy(
     row_weights: torch.Tensor,
     weight_c: torch.Tensor | None = None,
     chunk: int = LOSS_CHUNK_ROWS,
-    chunk_fn: Callable = soft_ce_chunk,
+    rows_fn: RowsFn = soft_ce_rows,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`fused_soft_cross_entropy_rows` with target row n = target_logits[n]: (weighted loss sum, argmax)."""
     loss, _, top1 = fused_soft_cross_entropy_rows(
-        hidden, weight, target_logits, row_weights, None, weight_c, chunk, chunk_fn
+        hidden, weight, target_logits, row_weights, None, weight_c, chunk, rows_fn
     )
     return loss, top1
 
@@ -185,12 +218,14 @@ class TTTObjective(nn.Module):
     def __init__(self, draft: Eagle3Draft, ttt_steps: int, step_weight: float, attention: str = "auto"):
         super().__init__()
         self.draft, self.ttt_steps, self.step_weight, self.attention = draft, ttt_steps, step_weight, attention
-        self.chunk_fn: Callable = soft_ce_chunk
+        self.rows_fn: RowsFn = soft_ce_rows
 
-    def compile(self) -> None:  # type: ignore[override]
-        """torch.compile the draft's dense blocks and the loss chunk (GPU; flex attention is always compiled)."""
+    def compile(self, loss_kernel: str = "triton") -> None:  # type: ignore[override]
+        """GPU: torch.compile the draft's dense blocks (flex attention is always compiled) and run the
+        soft-CE rows through `loss_kernel`: "triton" (the hand-written kernel) or "inductor" (the
+        torch.compile'd chunk)."""
         self.draft.compile_blocks()
-        self.chunk_fn = torch.compile(soft_ce_chunk, dynamic=True)
+        self.rows_fn = triton_rows_fn() if loss_kernel == "triton" else compiled_rows_fn()
 
     def forward(self, batch: dict[str, torch.Tensor], head: TargetHead, exact_top1: bool = False):
         states = self.draft(
@@ -222,7 +257,7 @@ class TTTObjective(nn.Module):
         per_step_weight = step_weights / counts.clamp(min=1)
         flat_logits = target_logits.view(batch_size * length, -1)  # [B*T, Vd]
         loss, row_loss, draft_top1 = fused_soft_cross_entropy_rows(
-            hidden, lm_head, flat_logits, per_step_weight[step], flat + step + 1, weight_c, chunk_fn=self.chunk_fn
+            hidden, lm_head, flat_logits, per_step_weight[step], flat + step + 1, weight_c, rows_fn=self.rows_fn
         )
         agree = torch.zeros_like(valid)
         agree[step, b, i] = self.draft.draft_to_target(draft_top1) == target_top1[b, i + step + 1]
