@@ -85,7 +85,7 @@ def train(data_path: Path, out: Path, steps: int, ttt_steps: int, seed: int) -> 
         max_steps=steps, ttt_steps=ttt_steps, lr=3e-4, batch_size=1, checkpoint_every=10**6, seed=seed, device="cpu"
     )
     if "sharding" not in type(tc).model_fields:  # early versions read tc.sharding before the field existed
-        tc = SimpleNamespace(**tc.model_dump(), sharding="ddp")
+        tc = SimpleNamespace(**tc.model_dump(), sharding="ddp", keep_checkpoints=2)
     objective = TTTObjective(draft, ttt_steps, tc.step_weight, "eager")
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
