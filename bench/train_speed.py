@@ -27,7 +27,7 @@ from eagle3_core.training.attention import (
     ttt_attention_flex,
 )
 from eagle3_core.training.distributed import Group, init_group, wrap
-from eagle3_core.training.loss import TargetHead, TTTObjective
+from eagle3_core.training.loss import TargetHead, TTTObjective, scored_rows
 
 # speculators 0.9.0, AdamW, one H200 (shared/ANCHORS.md), tokens/s.
 SPECULATORS = {(2048, 7): 20_724, (4096, 3): 56_550, (2048, 3): 43_864, (4096, 7): 25_010}
@@ -146,10 +146,13 @@ def build(
     return objective, head, params, optimizer
 
 
-def random_batch(config: DraftConfig, length: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+def random_batch(
+    config: DraftConfig, length: int, ttt_steps: int, device: torch.device, seed: int
+) -> dict[str, torch.Tensor]:
+    """One packed sequence, with its scored rows made up front (as the training loader does on the CPU)."""
     generator = torch.Generator(device=device).manual_seed(seed)
     hidden = config.hidden_size
-    return {
+    batch = {
         "aux": torch.randn(1, length, 3, hidden, device=device, generator=generator).to(torch.bfloat16),
         "last": torch.randn(1, length, hidden, device=device, generator=generator).to(torch.bfloat16),
         "input_ids": torch.randint(0, config.vocab_size, (1, length), device=device, generator=generator),
@@ -157,6 +160,8 @@ def random_batch(config: DraftConfig, length: int, device: torch.device, seed: i
         "position_ids": torch.arange(length, device=device)[None],
         "document_ids": torch.zeros(1, length, dtype=torch.long, device=device),
     }
+    batch["valid"], batch["scored"] = scored_rows(batch["loss_mask"], batch["document_ids"], ttt_steps)
+    return batch
 
 
 def train_step(objective, head, params, optimizer, batch) -> torch.Tensor:
@@ -190,7 +195,7 @@ def measure(
     objective, head, params, optimizer = build(
         config, ttt_steps, device, compiled, group, bf16_reduce, plain_ddp, loss_kernel
     )
-    batches = [random_batch(config, length, device, 3 * rank + seed) for seed in range(3)]
+    batches = [random_batch(config, length, ttt_steps, device, 3 * rank + seed) for seed in range(3)]
     for i in range(warmup):
         loss = train_step(objective, head, params, optimizer, batches[i % 3])
     torch.cuda.synchronize()
@@ -255,7 +260,7 @@ def profile_step(length: int, ttt_steps: int, rows: int = 40) -> dict:
     device = torch.device("cuda")
     config = llama8b_draft_config()
     objective, head, params, optimizer = build(config, ttt_steps, device, compiled=True)
-    batch = random_batch(config, length, device, 0)
+    batch = random_batch(config, length, ttt_steps, device, 0)
     for _ in range(3):
         train_step(objective, head, params, optimizer, batch)
     torch.cuda.synchronize()

@@ -158,6 +158,16 @@ def step_valid(loss_mask: torch.Tensor, document_ids: torch.Tensor, step: int) -
     return valid
 
 
+def scored_rows(
+    loss_mask: torch.Tensor, document_ids: torch.Tensor, ttt_steps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """loss_mask, document_ids [B, T] -> (valid [K, B, T] bool (`step_valid` of every step), its nonzero
+    indices [N, 3] = (step, b, i), ordered by step). The data loader computes them on the CPU (`collate`),
+    so the training step never waits for the GPU to learn N (a host sync per step otherwise)."""
+    valid = torch.stack([step_valid(loss_mask, document_ids, step) for step in range(ttt_steps)])  # [K, B, T]
+    return valid, valid.nonzero()
+
+
 @dataclass
 class TargetHead:
     """The target's final norm (None when states are stored normed) and lm_head rows of the draft
@@ -219,6 +229,7 @@ class TTTObjective(nn.Module):
         super().__init__()
         self.draft, self.ttt_steps, self.step_weight, self.attention = draft, ttt_steps, step_weight, attention
         self.rows_fn: RowsFn = soft_ce_rows
+        self._step_weights: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
     def compile(self, loss_kernel: str = "triton") -> None:  # type: ignore[override]
         """GPU: torch.compile the draft's dense blocks (flex attention is always compiled) and run the
@@ -227,7 +238,16 @@ class TTTObjective(nn.Module):
         self.draft.compile_blocks()
         self.rows_fn = triton_rows_fn() if loss_kernel == "triton" else compiled_rows_fn()
 
+    def step_weights(self, steps: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """[K] step_weight**k, made once per device (a tensor built from a list is a host-synchronous copy)."""
+        key = (steps, device, dtype)
+        if key not in self._step_weights:
+            weights = [self.step_weight**k for k in range(steps)]
+            self._step_weights[key] = torch.tensor(weights, dtype=dtype, device=device)
+        return self._step_weights[key]
+
     def forward(self, batch: dict[str, torch.Tensor], head: TargetHead, exact_top1: bool = False):
+        """batch: `collate`'s tensors, with `valid` / `scored` (`scored_rows`) when the loader made them."""
         states = self.draft(
             batch["aux"],
             batch["input_ids"],
@@ -240,20 +260,21 @@ class TTTObjective(nn.Module):
         target_top1 = head.full_top1(batch["last"]) if exact_top1 else head.draft_to_target(target_logits.argmax(-1))
         lm_head = self.draft.lm_head.weight
         weight_c = lm_head.detach().to(torch.bfloat16 if lm_head.is_cuda else lm_head.dtype)
-        valid = torch.stack(
-            [step_valid(batch["loss_mask"], batch["document_ids"], step) for step in range(len(states))]
-        )  # [K, B, T]
+        if "scored" in batch:  # made by the loader
+            valid, scored = batch["valid"], batch["scored"]  # [K, B, T], [N, 3]
+            if valid.shape[0] != len(states):
+                raise ValueError(f"batch scored for {valid.shape[0]} TTT steps, objective has {len(states)}")
+        else:  # one host sync (the number of scored rows)
+            valid, scored = scored_rows(batch["loss_mask"], batch["document_ids"], len(states))
         counts = valid.sum((1, 2))  # [K]
         # All steps' scored rows in ONE loss call: one lm_head weight-gradient GEMM (and one fp32 cast of
-        # it) per batch instead of one per step. One host sync per batch (the row indices).
-        step, b, i = valid.nonzero().unbind(1)  # [N] each, ordered by step
+        # it) per batch instead of one per step.
+        step, b, i = scored.unbind(1)  # [N] each, ordered by step
         batch_size, length = valid.shape[1:]
         flat = b * length + i  # row index in [B*T]; index_select copies whole rows (fast gather)
         all_states = torch.cat([state.reshape(batch_size * length, -1) for state in states])  # [K*B*T, H]
         hidden = self.draft.norm(all_states.index_select(0, step * (batch_size * length) + flat))  # [N, H]
-        step_weights = torch.tensor(
-            [self.step_weight**k for k in range(len(states))], dtype=hidden.dtype, device=hidden.device
-        )  # [K]
+        step_weights = self.step_weights(len(states), hidden.device, hidden.dtype)  # [K]
         per_step_weight = step_weights / counts.clamp(min=1)
         flat_logits = target_logits.view(batch_size * length, -1)  # [B*T, Vd]
         loss, row_loss, draft_top1 = fused_soft_cross_entropy_rows(
