@@ -64,7 +64,9 @@ def soft_ce_rows(
 def compiled_rows_fn() -> RowsFn:
     """`soft_ce_rows` around the torch.compile'd chunk (inductor)."""
     compiled = torch.compile(soft_ce_chunk, dynamic=True)
-    return lambda logits, targets, rows, weights: soft_ce_rows(logits, targets, rows, weights, compiled)
+    return lambda logits, target_logits, target_rows, row_weights: soft_ce_rows(
+        logits, target_logits, target_rows, row_weights, compiled
+    )
 
 
 def triton_rows_fn() -> RowsFn:
