@@ -27,7 +27,7 @@ from eagle3_core.training.attention import (
     ttt_attention_flex,
 )
 from eagle3_core.training.distributed import Group, init_group, wrap
-from eagle3_core.training.loss import TargetHead, TTTObjective
+from eagle3_core.training.loss import TargetHead, TTTObjective, scored_rows
 
 # speculators 0.9.0, AdamW, one H200 (shared/ANCHORS.md), tokens/s.
 SPECULATORS = {(2048, 7): 20_724, (4096, 3): 56_550, (2048, 3): 43_864, (4096, 7): 25_010}
@@ -69,6 +69,41 @@ def check_flex_attention(device: torch.device) -> float:
     return max(float((a - b).norm() / b.norm()) for a, b in zip(*results, strict=True))
 
 
+def check_soft_ce_kernel(device: torch.device, rows: int = 4096, vocab: int = 32000) -> dict:
+    """The hand-written Triton soft-CE kernel against the torch reference (`soft_ce_rows`, fp32 on the same
+    bf16 inputs): relative error of CE and gradient, argmax agreement; then the time of one chunk through
+    the kernel and through torch.compile's (inductor) version, against the byte floor."""
+    import triton.testing
+
+    from eagle3_core.training.loss import compiled_rows_fn, soft_ce_rows
+    from eagle3_core.training.soft_ce_triton import soft_ce_rows_triton
+
+    generator = torch.Generator(device=device).manual_seed(1)
+    logits = (torch.randn(rows, vocab, device=device, generator=generator) * 3).to(torch.bfloat16)
+    targets = (torch.randn(2 * rows, vocab, device=device, generator=generator) * 3).to(torch.bfloat16)
+    target_rows = torch.randint(0, 2 * rows, (rows,), device=device, generator=generator)
+    weights = torch.rand(rows, device=device, generator=generator)
+    want_grad = logits.float()
+    want_loss, want_top1 = soft_ce_rows(want_grad, targets.float(), target_rows, weights)
+    grad = logits.clone()
+    loss, top1 = soft_ce_rows_triton(grad, targets, target_rows, weights)
+    result = {
+        "loss_rel_error": float((loss - want_loss).norm() / want_loss.norm()),
+        "grad_rel_error": float((grad.float() - want_grad).norm() / want_grad.norm()),
+        "argmax_agreement": float((top1 == want_top1).float().mean()),
+    }
+    inductor = compiled_rows_fn()
+    for name, fn in (("triton", soft_ce_rows_triton), ("inductor", inductor)):
+        work = logits.clone()
+        result[f"{name}_ms"] = triton.testing.do_bench(
+            lambda fn=fn, work=work: fn(work, targets, target_rows, weights), warmup=50, rep=300, return_mode="median"
+        )
+    floor_bytes = rows * vocab * 2 * 3  # read logits and target rows, write the gradient, once each
+    result["floor_ms_at_4.8TBps"] = floor_bytes / 4.8e12 * 1e3
+    result["triton_GBps"] = floor_bytes / result["triton_ms"] / 1e6
+    return result
+
+
 def build(
     config: DraftConfig,
     ttt_steps: int,
@@ -76,9 +111,13 @@ def build(
     compiled: bool,
     group: Group | None = None,
     bf16_reduce: bool = False,
+    plain_ddp: bool = False,
+    loss_kernel: str = "triton",
 ):
-    """The objective (wrapped in DDP when `group` spans several processes; `bf16_reduce`: gradients
-    all-reduced in bf16 through DDP's compression hook), head, parameters, optimizer."""
+    """The objective (wrapped in DDP when `group` spans several processes, the layer's projection gradients
+    reduced early by `LayerGradientSync` as in training; `plain_ddp`: all gradients through DDP's buckets;
+    `bf16_reduce`: DDP's buckets all-reduced in bf16 through its compression hook), head, parameters,
+    optimizer. `loss_kernel` (compiled): the soft-CE rows by the hand-written Triton kernel or inductor."""
     torch.manual_seed(0)
     with torch.device(device):
         draft = Eagle3Draft(config)
@@ -95,9 +134,9 @@ def build(
         )
     objective = TTTObjective(draft, ttt_steps, step_weight=0.8, attention="flex")
     if compiled:
-        objective.compile()
+        objective.compile(loss_kernel)
     if group is not None:
-        objective = wrap(objective, group, "ddp")
+        objective = wrap(objective, group, "ddp", None if plain_ddp else objective.draft.midlayer)
         if bf16_reduce:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
@@ -107,10 +146,13 @@ def build(
     return objective, head, params, optimizer
 
 
-def random_batch(config: DraftConfig, length: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+def random_batch(
+    config: DraftConfig, length: int, ttt_steps: int, device: torch.device, seed: int
+) -> dict[str, torch.Tensor]:
+    """One packed sequence, with its scored rows made up front (as the training loader does on the CPU)."""
     generator = torch.Generator(device=device).manual_seed(seed)
     hidden = config.hidden_size
-    return {
+    batch = {
         "aux": torch.randn(1, length, 3, hidden, device=device, generator=generator).to(torch.bfloat16),
         "last": torch.randn(1, length, hidden, device=device, generator=generator).to(torch.bfloat16),
         "input_ids": torch.randint(0, config.vocab_size, (1, length), device=device, generator=generator),
@@ -118,6 +160,8 @@ def random_batch(config: DraftConfig, length: int, device: torch.device, seed: i
         "position_ids": torch.arange(length, device=device)[None],
         "document_ids": torch.zeros(1, length, dtype=torch.long, device=device),
     }
+    batch["valid"], batch["scored"] = scored_rows(batch["loss_mask"], batch["document_ids"], ttt_steps)
+    return batch
 
 
 def train_step(objective, head, params, optimizer, batch) -> torch.Tensor:
@@ -138,6 +182,8 @@ def measure(
     iters: int,
     group: Group | None = None,
     bf16_reduce: bool = False,
+    plain_ddp: bool = False,
+    loss_kernel: str = "triton",
 ) -> dict:
     """ms/step and tokens/s of `iters` steps (two windows). Under DDP every rank trains its own sequences
     and tokens/s counts all ranks' tokens."""
@@ -146,8 +192,10 @@ def measure(
     rank = group.rank if group is not None else 0
     config = llama8b_draft_config()
     start = time.monotonic()
-    objective, head, params, optimizer = build(config, ttt_steps, device, compiled, group, bf16_reduce)
-    batches = [random_batch(config, length, device, 3 * rank + seed) for seed in range(3)]
+    objective, head, params, optimizer = build(
+        config, ttt_steps, device, compiled, group, bf16_reduce, plain_ddp, loss_kernel
+    )
+    batches = [random_batch(config, length, ttt_steps, device, 3 * rank + seed) for seed in range(3)]
     for i in range(warmup):
         loss = train_step(objective, head, params, optimizer, batches[i % 3])
     torch.cuda.synchronize()
@@ -167,8 +215,10 @@ def measure(
         "seq": length,
         "ttt": ttt_steps,
         "compiled": compiled,
+        "loss_kernel": loss_kernel if compiled else "torch",
         "gpus": world,
         "bf16_reduce": bf16_reduce,
+        "plain_ddp": plain_ddp,
         "ms_per_step": ms,
         "ms_per_step_windows": windows,
         "tokens_per_s": world * length * 1000 / ms,
@@ -188,6 +238,8 @@ def measure(
 def kernel_class(name: str) -> str:
     """Coarse class of a CUDA kernel name, for the profile summary."""
     lowered = name.lower()
+    if "soft_ce" in lowered:
+        return "soft-CE rows (hand-written triton)"
     if "flex" in lowered or "triton_tem" in lowered:
         return "flex attention"
     if any(key in lowered for key in ("gemm", "cutlass", "nvjet", "sm90_", "cublas", "xmma")):
@@ -208,7 +260,7 @@ def profile_step(length: int, ttt_steps: int, rows: int = 40) -> dict:
     device = torch.device("cuda")
     config = llama8b_draft_config()
     objective, head, params, optimizer = build(config, ttt_steps, device, compiled=True)
-    batch = random_batch(config, length, device, 0)
+    batch = random_batch(config, length, ttt_steps, device, 0)
     for _ in range(3):
         train_step(objective, head, params, optimizer, batch)
     torch.cuda.synchronize()
@@ -242,15 +294,24 @@ def main_ddp(args) -> None:
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "world": group.world}
     shapes = ((2048, 7), (4096, 3))
     # 5 warm-up steps: DDP rebuilds its buckets after the first iteration.
-    report["runs"] = [measure(length, ttt, True, 5, args.iters, group) for length, ttt in shapes]
+    kernel = args.loss_kernel
+    report["runs"] = [measure(length, ttt, True, 5, args.iters, group, loss_kernel=kernel) for length, ttt in shapes]
+    if args.plain_ddp:
+        report["runs"] += [
+            measure(length, ttt, True, 5, args.iters, group, plain_ddp=True, loss_kernel=kernel)
+            for length, ttt in shapes
+        ]
     if args.bf16_reduce:
-        report["runs"] += [measure(length, ttt, True, 5, args.iters, group, True) for length, ttt in shapes]
+        report["runs"] += [
+            measure(length, ttt, True, 5, args.iters, group, True, loss_kernel=kernel) for length, ttt in shapes
+        ]
     if not group.is_main:
         return
     single = {}
     if args.compare:
         with open(args.compare) as f:
-            single = {(r["seq"], r["ttt"]): r for r in json.load(f)["runs"] if r["compiled"]}
+            runs = json.load(f)["runs"]
+            single = {(r["seq"], r["ttt"]): r for r in runs if r["compiled"] and r["loss_kernel"] == kernel}
     for run in report["runs"]:
         one = single.get((run["seq"], run["ttt"]))
         if one:
@@ -261,6 +322,14 @@ def main_ddp(args) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
+    print(f"\n{group.world} x {report['device']}, torch {report['torch']}, DDP")
+    print("seq  ttt  variant        ms/step    tok/s  peak GiB  x one GPU  per-GPU efficiency (goal 0.90)")
+    for r in report["runs"]:
+        variant = "plain DDP" if r["plain_ddp"] else "bf16 reduce" if r["bf16_reduce"] else "early sync"
+        print(
+            f"{r['seq']:>4} {r['ttt']:>4}  {variant:<12} {r['ms_per_step']:8.1f} {r['tokens_per_s']:9,.0f}"
+            f" {r['peak_gib']:8.1f} {r.get('speedup_vs_one_gpu', 0):9.2f} {r.get('per_gpu_efficiency', 0):8.3f}"
+        )
 
 
 def main() -> None:
@@ -272,7 +341,10 @@ def main() -> None:
     parser.add_argument("--compare", default=None, help="--ddp: one-GPU JSON of this script, for efficiency.")
     parser.add_argument("--eager", action="store_true", help="Also run the uncompiled variants.")
     parser.add_argument("--no-profile", action="store_true", help="Skip the profiled steps.")
+    parser.add_argument("--inductor-loss", action="store_true", help="Also time the inductor soft-CE rows.")
     parser.add_argument("--bf16-reduce", action="store_true", help="--ddp: also time bf16 gradient all-reduce.")
+    parser.add_argument("--plain-ddp", action="store_true", help="--ddp: also time DDP without the early sync.")
+    parser.add_argument("--loss-kernel", default="triton", choices=["triton", "inductor"], help="--ddp: soft-CE rows.")
     args = parser.parse_args()
     if args.ddp:
         main_ddp(args)
@@ -282,7 +354,14 @@ def main() -> None:
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "runs": []}
     report["flex_vs_eager_rel_error"] = check_flex_attention(torch.device("cuda"))
     print(f"flex TTT attention vs eager (output and grads), max rel error: {report['flex_vs_eager_rel_error']:.2e}")
-    plan = [(2048, 7, True), (4096, 3, True)] + ([] if args.no_profile else [(2048, 7), (4096, 3)])
+    try:
+        report["soft_ce_kernel"] = check_soft_ce_kernel(torch.device("cuda"))
+        print(f"soft-CE rows, Triton kernel vs torch reference and timing: {json.dumps(report['soft_ce_kernel'])}")
+    except Exception:  # reported; the inductor variants (--inductor-loss) still run
+        print(f"FAILED soft-CE kernel check:\n{traceback.format_exc()}", flush=True)
+    plan: list[tuple] = [(2048, 7, True), (4096, 3, True)]
+    plan += [(2048, 7, True, "inductor"), (4096, 3, True, "inductor")] if args.inductor_loss else []
+    plan += [] if args.no_profile else [(2048, 7), (4096, 3)]
     plan += [(2048, 7, False), (4096, 3, False)] if args.eager else []
     for entry in plan:
         if time.monotonic() - start > args.budget_s:
@@ -293,20 +372,23 @@ def main() -> None:
                 profiled = profile_step(*entry)
                 report[f"profile_{entry[0]}_{entry[1]}"] = profiled
                 print(json.dumps({k: v for k, v in profiled.items() if k != "table"}), flush=True)
-                continue
-            result = measure(*entry, warmup=3, iters=args.iters)
+                print(profiled["table"], flush=True)
+            else:
+                result = measure(*entry[:3], warmup=3, iters=args.iters, loss_kernel=(entry[3:] or ("triton",))[0])
+                report["runs"].append(result)
+                print(json.dumps(result), flush=True)
         except Exception:  # a failed variant is reported; the others still run
             print(f"FAILED {entry}:\n{traceback.format_exc()}", flush=True)
             continue
-        report["runs"].append(result)
-        print(json.dumps(result), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-    print("\nseq  ttt compiled  ms/step   tok/s   peak GiB  speculators  ratio (goal 1.5)")
+        if args.out:  # after every variant: a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+    print(f"\n1 x {report['device']}, torch {torch.__version__}; baseline speculators 0.9.0 AdamW (ANCHORS.md)")
+    print("seq  ttt compiled loss      ms/step   tok/s   peak GiB  speculators  ratio (goal 1.5)")
     for r in report["runs"]:
         print(
-            f"{r['seq']:>4} {r['ttt']:>4} {r['compiled']!s:>8} {r['ms_per_step']:8.1f} {r['tokens_per_s']:8,.0f}"
+            f"{r['seq']:>4} {r['ttt']:>4} {r['compiled']!s:>8} {r['loss_kernel']:<8} {r['ms_per_step']:8.1f}"
+            f" {r['tokens_per_s']:8,.0f}"
             f" {r['peak_gib']:9.1f} {r.get('speculators_tokens_per_s', 0):>11,} {r.get('ratio', 0):6.2f}"
         )
 

@@ -29,6 +29,8 @@ Weights = dict[str, torch.Tensor]
 input), `o_proj`, `gate_up` [2I, H] (gate rows, then up rows), `down_proj`."""
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(q [B,Hq,T,D], k [B,Hkv,T,D], v [B,Hkv,T,D]) -> attention output [B,Hq,T,D]."""
+WeightRegion = tuple[list[nn.Parameter], dict[str, slice]]
+"""Parameters stacked by rows into one [rows, cols] matrix, and the `Weights` entries filling its columns."""
 
 
 @dataclass
@@ -170,12 +172,39 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DraftMLP(config)
         self.rope_theta = config.rope_theta
+        # Training under DDP: takes the cast weights and returns the ones the unroll uses (gradient leaves
+        # whose all-reduce starts as soon as each is complete: `training.distributed.LayerGradientSync`).
+        self.gradient_sync: Callable[[Weights], Weights] | None = None
 
     def projection_weights(self, dtype: torch.dtype) -> Weights:
         """The layer's projection matrices in the compute dtype (see `Weights`), cast ONCE per
         train-time-test unroll and shared by its steps. (Cast inside each compiled step instead, every step
         would pay a cast forward and an fp32 cast + accumulate of its weight gradient backward; shared,
-        autograd sums the steps' bf16 gradients once, as autocast's own weight cache does in eager mode.)"""
+        autograd sums the steps' bf16 gradients once, as autocast's own weight cache does in eager mode.)
+        With `gradient_sync` set (DDP training) the casts are handed to it outside autograd."""
+        if self.gradient_sync is None or not torch.is_grad_enabled():
+            return self.cast_weights(dtype)
+        with torch.no_grad():
+            weights = self.cast_weights(dtype)
+        return self.gradient_sync(weights)
+
+    def projection_layout(self) -> list[WeightRegion]:
+        """Where each `Weights` entry's gradient lands: the q/k/v (gate/up) rows stacked as in the fused
+        matrix, the embedding and hidden halves of q/k/v its column halves."""
+        attn, mlp = self.self_attn, self.mlp
+        half = attn.q_proj.weight.shape[1] // 2
+        return [
+            (
+                [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+                {"qkv_embed": slice(0, half), "qkv_hidden": slice(half, 2 * half)},
+            ),
+            ([attn.o_proj.weight], {"o_proj": slice(None)}),
+            ([mlp.gate_proj.weight, mlp.up_proj.weight], {"gate_up": slice(None)}),
+            ([mlp.down_proj.weight], {"down_proj": slice(None)}),
+        ]
+
+    def cast_weights(self, dtype: torch.dtype) -> Weights:
+        """`Weights` from the parameters, through autograd (one cast node per matrix)."""
         attn, mlp = self.self_attn, self.mlp
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).to(dtype)  # [Nqkv, 2H]
         half = qkv.shape[1] // 2

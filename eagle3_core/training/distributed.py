@@ -1,15 +1,25 @@
 """Process groups under torchrun: one process per GPU (NCCL) or per CPU worker (gloo), a single process
 otherwise. Replicated drafts use DDP; large drafts FSDP2 (`fully_shard`: parameters, gradients and
-optimizer state sharded across ranks, gathered layer by layer)."""
+optimizer state sharded across ranks, gathered layer by layer).
+
+Under DDP the draft layer's projection gradients are all-reduced by `LayerGradientSync`, not by DDP's
+buckets: the layer's weights are cast to bf16 once per unroll, and autograd runs that cast's backward (the
+fp32 gradient DDP waits for) only at the very end of backward, after every step's layer, attention and fc
+backward, so ~0.9 GB of all-reduce could not overlap anything. As gradient leaves instead, each matrix's
+gradient is complete (and its all-reduce starts) as soon as step 0's backward has passed it.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from eagle3_core.draft import WeightRegion, Weights
 
 
 @dataclass(frozen=True)
@@ -48,11 +58,85 @@ def init_group(device_name: str) -> Group:
     return Group(rank=rank, world=world, device=device)
 
 
-def wrap(module: nn.Module, group: Group, sharding: str) -> nn.Module:
-    """DDP or FSDP2 around the objective; unchanged in a single process."""
+@dataclass
+class _Region:
+    params: list[nn.Parameter]  # stacked by rows into `buffer`
+    columns: dict[str, slice]  # Weights entry -> its columns of `buffer`
+    buffer: torch.Tensor  # [rows, cols] fp32: the params' gradients (param.grad are row views of it)
+    filled: set[str] = field(default_factory=set)
+
+
+class LayerGradientSync:
+    """DDP's gradient all-reduce for the draft layer's projection matrices (`DraftLayer.gradient_sync`),
+    started per matrix as soon as its gradient is complete.
+
+    Per forward, the cast `Weights` become autograd leaves; a leaf's gradient accumulator runs as soon as
+    its last contribution (step 0's) arrives (accumulators have the engine's top priority), and its hook
+    copies the summed bf16 gradient into the fp32 buffer (= the cast's backward), divides by the world size
+    and all-reduces the region asynchronously once all its columns are in (DDP's order: divide, then sum).
+    At the end of backward the parameters' `.grad` are the reduced buffers, as plain DDP leaves them.
+    One backward per optimizer step: gradients are overwritten, not accumulated (the training loop)."""
+
+    def __init__(self, layout: list[WeightRegion], process_group: dist.ProcessGroup | None, world: int):
+        self.regions = [
+            _Region(params, columns, torch.empty(sum(p.shape[0] for p in params), params[0].shape[1]).to(params[0]))
+            for params, columns in layout
+        ]
+        self.process_group, self.world = process_group, world
+        self.works: list[dist.Work] = []
+
+    def __call__(self, weights: Weights) -> Weights:
+        """Cast weights -> the same values as gradient leaves whose hooks reduce their gradients."""
+        leaves = dict(weights)
+        self.works = []
+        for region in self.regions:
+            if any(p.grad is not None for p in region.params):
+                raise RuntimeError("LayerGradientSync: gradients not cleared since the last step (zero_grad)")
+            region.filled = set()
+            for name in region.columns:
+                leaves[name] = weights[name].detach().requires_grad_()
+                leaves[name].register_post_accumulate_grad_hook(partial(self._on_gradient, region, name))
+        return leaves
+
+    def _on_gradient(self, region: _Region, name: str, leaf: torch.Tensor) -> None:
+        if not any(r.filled for r in self.regions):  # first gradient of this backward
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        region.buffer[:, region.columns[name]].copy_(leaf.grad)  # bf16 -> fp32, as the cast's backward
+        leaf.grad = None
+        region.filled.add(name)
+        if region.filled == set(region.columns):
+            region.buffer.div_(self.world)
+            self.works.append(dist.all_reduce(region.buffer, group=self.process_group, async_op=True))
+
+    def _finish(self) -> None:
+        """End of backward: wait for the all-reduces, hand the buffers' rows to the parameters."""
+        for work in self.works:
+            work.wait()
+        for region in self.regions:
+            rows = region.buffer.split([p.shape[0] for p in region.params])
+            for param, grad in zip(region.params, rows, strict=True):
+                param.grad = grad
+
+
+def early_gradient_sync(module: nn.Module, layer: nn.Module) -> list[str]:
+    """Install a `LayerGradientSync` on `layer` (a `DraftLayer` inside `module`); the names of the
+    parameters it reduces, for DDP to ignore. Ranks start from rank 0's values, as DDP's own do."""
+    layout = layer.projection_layout()
+    process_group = dist.new_group()
+    for params, _ in layout:
+        for param in params:
+            dist.broadcast(param.data, 0, group=process_group)
+    layer.gradient_sync = LayerGradientSync(layout, process_group, dist.get_world_size())
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [names[id(p)] for params, _ in layout for p in params]
+
+
+def wrap(module: nn.Module, group: Group, sharding: str, early_sync_layer: nn.Module | None = None) -> nn.Module:
+    """DDP or FSDP2 around the objective; unchanged in a single process. `early_sync_layer` (DDP): the
+    draft layer whose projection gradients `LayerGradientSync` reduces instead of DDP's buckets."""
     if not group.distributed:
         return module
-    if sharding == "fsdp2":
+    if sharding == "fsdp2":  # gathers and reduce-scatters per root group; no early sync
         from torch.distributed.fsdp import fully_shard
 
         # One group at the root: the draft is one layer, and its forward reads the layer's projection
@@ -61,9 +145,13 @@ def wrap(module: nn.Module, group: Group, sharding: str) -> nn.Module:
         return module
     from torch.nn.parallel import DistributedDataParallel
 
+    if early_sync_layer is not None:
+        ignored = early_gradient_sync(module, early_sync_layer)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored)
     device_ids = [group.device.index] if group.device.type == "cuda" else None
     # Gradients live in DDP's all-reduce buckets (no copy into and out of them each step; same values).
-    return DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
+    # The buffers (d2t, t2d) never change: no broadcast before every forward.
+    return DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True, broadcast_buffers=False)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Group) -> torch.Tensor:

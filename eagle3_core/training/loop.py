@@ -18,7 +18,13 @@ from eagle3_core.events import RESUME, RunEvents
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.sample_table import is_heldout
 from eagle3_core.training.distributed import Group, all_reduce_sum, barrier, wrap
-from eagle3_core.training.loss import TargetHead, TTTObjective, acceptance_counts, acceptance_summary
+from eagle3_core.training.loss import (
+    TargetHead,
+    TTTObjective,
+    acceptance_counts,
+    acceptance_summary,
+    scored_rows,
+)
 from eagle3_core.training.state import gather_state, latest_state, load_state, save_state
 
 PHASE = "training"
@@ -57,9 +63,12 @@ def rank_batches(num_items: int, batch_size: int, group: Group, seed: int, epoch
     return [mine[i * batch_size : (i + 1) * batch_size] for i in range(steps)]
 
 
-def collate(items: list[dict[str, torch.Tensor]], device: torch.device, pad_multiple: int) -> dict[str, torch.Tensor]:
+def collate(
+    items: list[dict[str, torch.Tensor]], device: torch.device, pad_multiple: int, ttt_steps: int | None = None
+) -> dict[str, torch.Tensor]:
     """Stack packed sequences into [B, T] (T rounded up to `pad_multiple`); padding is its own document
-    (id -1) with loss_mask 0, so it is never scored and never seen by real tokens."""
+    (id -1) with loss_mask 0, so it is never scored and never seen by real tokens. With `ttt_steps`, also
+    the scored rows of every step (`valid`, `scored`: `scored_rows`), computed here on the CPU."""
     length = max(len(item["input_ids"]) for item in items)
     length = math.ceil(length / pad_multiple) * pad_multiple
     fill = {"document_ids": -1}
@@ -70,8 +79,10 @@ def collate(items: list[dict[str, torch.Tensor]], device: torch.device, pad_mult
             tensor = item[name]
             pad = torch.full((length - len(tensor), *tensor.shape[1:]), fill.get(name, 0), dtype=tensor.dtype)
             rows.append(torch.cat([tensor, pad]))
-        batch[name] = torch.stack(rows).to(device, non_blocking=True)
-    return batch
+        batch[name] = torch.stack(rows)
+    if ttt_steps is not None:
+        batch["valid"], batch["scored"] = scored_rows(batch["loss_mask"], batch["document_ids"], ttt_steps)
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
 
 
 def autocast(device: torch.device):
@@ -89,7 +100,7 @@ def validate(
     accepted = torch.zeros(steps, dtype=torch.float64, device=group.device)
     chains = torch.zeros((), dtype=torch.float64, device=group.device)
     for indices in rank_batches(len(data), batch_size, group, 0, None):
-        batch = collate([data[i] for i in indices], group.device, pad_multiple)
+        batch = collate([data[i] for i in indices], group.device, pad_multiple, steps)
         with autocast(group.device):
             _, stats, agree, valid = objective(batch, head, exact_top1=True)
         totals += stats.double()
@@ -126,7 +137,7 @@ def run_training(
     pad_multiple = 128 if device.type == "cuda" else 1
     objective.to(device)
     head = head.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    module = wrap(objective, group, tc.sharding)
+    module = wrap(objective, group, tc.sharding, early_sync_layer=objective.draft.midlayer)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay, fused=device.type == "cuda"
@@ -161,7 +172,7 @@ def run_training(
         epoch, index = divmod(step, steps_per_epoch)
         if order_epoch != epoch:
             order_epoch, batches = epoch, rank_batches(len(train_data), tc.batch_size, group, tc.seed, epoch)
-        batch = collate([train_data[i] for i in batches[index]], device, pad_multiple)
+        batch = collate([train_data[i] for i in batches[index]], device, pad_multiple, objective.ttt_steps)
         with autocast(device):
             loss, stats, _, _ = module(batch, head)
         loss.backward()

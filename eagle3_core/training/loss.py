@@ -7,8 +7,10 @@ all steps: row j predicts token j+1, so draft step k at index i (which predicts 
 against target row i+k+1.
 
 The loss never materialises full fp32 logits: `fused_soft_cross_entropy` walks row chunks, computes each
-chunk's logits once, and forms the gradients w.r.t. the hidden states and lm_head in the same pass
-(d loss / d logits = softmax(draft) - p_target), so backward is two saved tensors times a scalar.
+chunk's logits once (straight into the buffer that keeps d loss / d logits), and a row function overwrites
+them with d loss / d logits = softmax(draft) - p_target, so backward is two saved tensors times a scalar.
+Row functions: `soft_ce_rows` (torch; the CPU path and the reference), its torch.compile'd chunk, and the
+hand-written Triton kernel of `soft_ce_triton` (GPU).
 Imports only torch (the GPU benchmark uses it without pydantic).
 """
 
@@ -24,6 +26,9 @@ from torch import nn
 from eagle3_core.draft import Eagle3Draft
 
 LOSS_CHUNK_ROWS = 4096
+RowsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""(logits [C, Vd], overwritten with d loss / d logits; target_logits [M, Vd]; target_rows [C]; row_weights
+[C]) -> (weighted CE per row [C], draft argmax [C])."""
 
 
 def soft_ce_chunk(
@@ -41,15 +46,45 @@ def soft_ce_chunk(
     return row_loss, grad_logits, log_probs.argmax(-1)
 
 
+def soft_ce_rows(
+    logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    target_rows: torch.Tensor,
+    row_weights: torch.Tensor,
+    chunk_fn: Callable = soft_ce_chunk,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`RowsFn` in torch: the target rows gathered, `chunk_fn` (soft_ce_chunk, or its compiled version),
+    its gradient copied over the logits."""
+    targets = target_logits.index_select(0, target_rows)  # [C, Vd]
+    row_loss, grad_logits, top1 = chunk_fn(logits, targets, row_weights)
+    logits.copy_(grad_logits)
+    return row_loss, top1
+
+
+def compiled_rows_fn() -> RowsFn:
+    """`soft_ce_rows` around the torch.compile'd chunk (inductor)."""
+    compiled = torch.compile(soft_ce_chunk, dynamic=True)
+    return lambda logits, target_logits, target_rows, row_weights: soft_ce_rows(
+        logits, target_logits, target_rows, row_weights, compiled
+    )
+
+
+def triton_rows_fn() -> RowsFn:
+    """The hand-written Triton kernel (GPU only)."""
+    from eagle3_core.training.soft_ce_triton import soft_ce_rows_triton
+
+    return soft_ce_rows_triton
+
+
 class _FusedSoftCrossEntropy(torch.autograd.Function):
     """sum_n row_weight[n] * CE(softmax(target[n]), log_softmax(hidden[n] @ weight.T)), plus each row's
     weighted CE and the draft's argmax (no gradient). Forward keeps d loss / d logits (compute dtype)
-    instead of the logits; backward is two matmuls whose (small) outputs take the incoming scale, so the
-    [N, Vd] gradient is never rewritten. `target_rows` [N] picks each row's target from `target_logits`
-    chunk by chunk (no [N, Vd] gathered copy)."""
+    instead of the logits (each chunk's logits GEMM writes into that buffer, `rows_fn` overwrites them);
+    backward is two matmuls whose (small) outputs take the incoming scale, so the [N, Vd] gradient is never
+    rewritten. `target_rows` [N] picks each row's target from `target_logits` (no [N, Vd] gathered copy)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, weight_c, target_logits, target_rows, row_weights, chunk, chunk_fn):
+    def forward(ctx, hidden, weight, weight_c, target_logits, target_rows, row_weights, chunk, rows_fn):
         hidden_c = hidden.to(weight_c.dtype)  # [N, H]
         grad_logits = torch.empty(hidden.shape[0], weight_c.shape[0], dtype=weight_c.dtype, device=hidden.device)
         accumulate = torch.promote_types(target_logits.dtype, torch.float32)
@@ -58,9 +93,8 @@ class _FusedSoftCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk):
                 rows = slice(start, start + chunk)
-                logits = hidden_c[rows] @ weight_c.T  # [C, Vd]
-                targets = target_logits.index_select(0, target_rows[rows])  # [C, Vd]
-                row_loss[rows], grad_logits[rows], draft_top1[rows] = chunk_fn(logits, targets, row_weights[rows])
+                logits = torch.mm(hidden_c[rows], weight_c.T, out=grad_logits[rows])  # [C, Vd]
+                row_loss[rows], draft_top1[rows] = rows_fn(logits, target_logits, target_rows[rows], row_weights[rows])
         ctx.save_for_backward(hidden_c, weight_c, grad_logits)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         ctx.mark_non_differentiable(row_loss, draft_top1)
@@ -84,17 +118,18 @@ def fused_soft_cross_entropy_rows(
     target_rows: torch.Tensor | None = None,
     weight_c: torch.Tensor | None = None,
     chunk: int = LOSS_CHUNK_ROWS,
-    chunk_fn: Callable = soft_ce_chunk,
+    rows_fn: RowsFn = soft_ce_rows,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden [N, H] (normed draft states), weight [Vd, H] (lm_head, gets the gradient), target_logits
     [M, Vd] with target_rows [N] (row n is scored against target_logits[target_rows[n]]; None: M = N, in
     order), row_weights [N] -> (weighted loss sum, weighted CE per row [N], draft argmax [N]). `weight_c` is
-    the weight in the compute dtype (bf16 on GPU), cast once per batch by the caller."""
+    the weight in the compute dtype (bf16 on GPU), cast once per batch by the caller; `rows_fn` the
+    soft-CE row function (`RowsFn`)."""
     weight_c = weight.detach() if weight_c is None else weight_c
     if target_rows is None:
         target_rows = torch.arange(hidden.shape[0], device=hidden.device)
     return _FusedSoftCrossEntropy.apply(
-        hidden, weight, weight_c, target_logits, target_rows, row_weights, chunk, chunk_fn
+        hidden, weight, weight_c, target_logits, target_rows, row_weights, chunk, rows_fn
     )
 
 
@@ -105,11 +140,11 @@ def fused_soft_cross_entropy(
     row_weights: torch.Tensor,
     weight_c: torch.Tensor | None = None,
     chunk: int = LOSS_CHUNK_ROWS,
-    chunk_fn: Callable = soft_ce_chunk,
+    rows_fn: RowsFn = soft_ce_rows,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`fused_soft_cross_entropy_rows` with target row n = target_logits[n]: (weighted loss sum, argmax)."""
     loss, _, top1 = fused_soft_cross_entropy_rows(
-        hidden, weight, target_logits, row_weights, None, weight_c, chunk, chunk_fn
+        hidden, weight, target_logits, row_weights, None, weight_c, chunk, rows_fn
     )
     return loss, top1
 
@@ -123,6 +158,16 @@ def step_valid(loss_mask: torch.Tensor, document_ids: torch.Tensor, step: int) -
         same_document = document_ids[:, shift:] == document_ids[:, :-shift]
         valid[:, :-shift] = loss_mask[:, shift:].bool() & same_document
     return valid
+
+
+def scored_rows(
+    loss_mask: torch.Tensor, document_ids: torch.Tensor, ttt_steps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """loss_mask, document_ids [B, T] -> (valid [K, B, T] bool (`step_valid` of every step), its nonzero
+    indices [N, 3] = (step, b, i), ordered by step). The data loader computes them on the CPU (`collate`),
+    so the training step never waits for the GPU to learn N (a host sync per step otherwise)."""
+    valid = torch.stack([step_valid(loss_mask, document_ids, step) for step in range(ttt_steps)])  # [K, B, T]
+    return valid, valid.nonzero()
 
 
 @dataclass
@@ -185,14 +230,26 @@ class TTTObjective(nn.Module):
     def __init__(self, draft: Eagle3Draft, ttt_steps: int, step_weight: float, attention: str = "auto"):
         super().__init__()
         self.draft, self.ttt_steps, self.step_weight, self.attention = draft, ttt_steps, step_weight, attention
-        self.chunk_fn: Callable = soft_ce_chunk
+        self.rows_fn: RowsFn = soft_ce_rows
+        self._step_weights: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
-    def compile(self) -> None:  # type: ignore[override]
-        """torch.compile the draft's dense blocks and the loss chunk (GPU; flex attention is always compiled)."""
+    def compile(self, loss_kernel: str = "triton") -> None:  # type: ignore[override]
+        """GPU: torch.compile the draft's dense blocks (flex attention is always compiled) and run the
+        soft-CE rows through `loss_kernel`: "triton" (the hand-written kernel) or "inductor" (the
+        torch.compile'd chunk)."""
         self.draft.compile_blocks()
-        self.chunk_fn = torch.compile(soft_ce_chunk, dynamic=True)
+        self.rows_fn = triton_rows_fn() if loss_kernel == "triton" else compiled_rows_fn()
+
+    def step_weights(self, steps: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """[K] step_weight**k, made once per device (a tensor built from a list is a host-synchronous copy)."""
+        key = (steps, device, dtype)
+        if key not in self._step_weights:
+            weights = [self.step_weight**k for k in range(steps)]
+            self._step_weights[key] = torch.tensor(weights, dtype=dtype, device=device)
+        return self._step_weights[key]
 
     def forward(self, batch: dict[str, torch.Tensor], head: TargetHead, exact_top1: bool = False):
+        """batch: `collate`'s tensors, with `valid` / `scored` (`scored_rows`) when the loader made them."""
         states = self.draft(
             batch["aux"],
             batch["input_ids"],
@@ -205,24 +262,25 @@ class TTTObjective(nn.Module):
         target_top1 = head.full_top1(batch["last"]) if exact_top1 else head.draft_to_target(target_logits.argmax(-1))
         lm_head = self.draft.lm_head.weight
         weight_c = lm_head.detach().to(torch.bfloat16 if lm_head.is_cuda else lm_head.dtype)
-        valid = torch.stack(
-            [step_valid(batch["loss_mask"], batch["document_ids"], step) for step in range(len(states))]
-        )  # [K, B, T]
+        if "scored" in batch:  # made by the loader
+            valid, scored = batch["valid"], batch["scored"]  # [K, B, T], [N, 3]
+            if valid.shape[0] != len(states):
+                raise ValueError(f"batch scored for {valid.shape[0]} TTT steps, objective has {len(states)}")
+        else:  # one host sync (the number of scored rows)
+            valid, scored = scored_rows(batch["loss_mask"], batch["document_ids"], len(states))
         counts = valid.sum((1, 2))  # [K]
         # All steps' scored rows in ONE loss call: one lm_head weight-gradient GEMM (and one fp32 cast of
-        # it) per batch instead of one per step. One host sync per batch (the row indices).
-        step, b, i = valid.nonzero().unbind(1)  # [N] each, ordered by step
+        # it) per batch instead of one per step.
+        step, b, i = scored.unbind(1)  # [N] each, ordered by step
         batch_size, length = valid.shape[1:]
         flat = b * length + i  # row index in [B*T]; index_select copies whole rows (fast gather)
         all_states = torch.cat([state.reshape(batch_size * length, -1) for state in states])  # [K*B*T, H]
         hidden = self.draft.norm(all_states.index_select(0, step * (batch_size * length) + flat))  # [N, H]
-        step_weights = torch.tensor(
-            [self.step_weight**k for k in range(len(states))], dtype=hidden.dtype, device=hidden.device
-        )  # [K]
+        step_weights = self.step_weights(len(states), hidden.device, hidden.dtype)  # [K]
         per_step_weight = step_weights / counts.clamp(min=1)
         flat_logits = target_logits.view(batch_size * length, -1)  # [B*T, Vd]
         loss, row_loss, draft_top1 = fused_soft_cross_entropy_rows(
-            hidden, lm_head, flat_logits, per_step_weight[step], flat + step + 1, weight_c, chunk_fn=self.chunk_fn
+            hidden, lm_head, flat_logits, per_step_weight[step], flat + step + 1, weight_c, rows_fn=self.rows_fn
         )
         agree = torch.zeros_like(valid)
         agree[step, b, i] = self.draft.draft_to_target(draft_top1) == target_top1[b, i + step + 1]

@@ -54,3 +54,49 @@ def test_two_ranks_train_one_draft(tmp_path: Path, sharding: str) -> None:
         assert torch.equal(rank0[name], rank1[name]), name
     assert not torch.equal(rank0["draft.fc.weight"], initial["draft.fc.weight"])
     assert sorted(p.name for p in (tmp_path / "state").glob("step-*.pt")) == ["step-00000002.pt", "step-00000004.pt"]
+
+
+def gradient_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One rank: the same two training steps under plain DDP and under DDP + LayerGradientSync."""
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )
+    import torch.distributed as dist
+
+    from eagle3_core.training.distributed import init_group, wrap
+    from eagle3_core.training.loop import collate
+
+    torch.set_num_threads(1)
+    group = init_group("cpu")
+    data = synthetic_data(4, seed=11 + rank)  # each rank its own batches
+    grads = {}
+    for early in (False, True):
+        objective, head = setup()
+        objective.ttt_steps = 3
+        module = wrap(objective, group, "ddp", objective.draft.midlayer if early else None)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        steps = []
+        for index in (0, 1):
+            loss, _, _, _ = module(collate(data[2 * index : 2 * index + 2], group.device, 1), head)
+            loss.backward()
+            steps.append({n: p.grad.clone() for n, p in objective.named_parameters() if p.requires_grad})
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        grads[early] = steps
+    torch.save(grads, Path(out) / f"grads{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_early_layer_gradient_sync_equals_plain_ddp(tmp_path: Path) -> None:
+    """The layer's projection gradients reduced per matrix as soon as they are complete are bit for bit
+    the gradients plain DDP produces (same fp32 values, same divide-then-sum), on every rank and step."""
+    mp.spawn(gradient_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"grads{rank}.pt") for rank in (0, 1)]
+    for grads in ranks:
+        for plain, early in zip(grads[False], grads[True], strict=True):
+            assert plain.keys() == early.keys()
+            assert "draft.midlayer.mlp.gate_proj.weight" in plain
+            for name in plain:
+                assert torch.equal(plain[name], early[name]), name
+    for name, grad in ranks[0][True][1].items():  # reduced: both ranks hold the same sum
+        assert torch.equal(grad, ranks[1][True][1][name]), name

@@ -12,7 +12,7 @@ import torch
 from eagle3_core.config import TrainingConfig
 from eagle3_core.events import RESUME, RunEvents
 from eagle3_core.training.distributed import Group
-from eagle3_core.training.loop import lr_factor, rank_batches, run_training, split_validation
+from eagle3_core.training.loop import collate, lr_factor, rank_batches, run_training, split_validation
 from eagle3_core.training.loss import TargetHead, TTTObjective
 from eagle3_core.training.state import latest_state
 from tests.unit.test_draft import tiny_draft
@@ -108,3 +108,21 @@ def test_validation_split_is_salted_against_the_evaluation_holdout() -> None:
     extracted = [s for s in ids if not is_heldout(s, 0.1)]  # what extraction keeps
     train, val = split_validation(extracted, 0.05)
     assert 50 < len(val) < 150 and len(train) + len(val) == len(extracted)
+
+
+def test_scored_rows_from_the_loader_equal_the_objective_own() -> None:
+    """`collate(..., ttt_steps)` computes the scored rows on the CPU (no host sync in the step): same loss,
+    stats and gradients as the objective computing them itself; a batch scored for other steps is refused."""
+    objective, head = setup()
+    items = synthetic_data(2)
+    results = []
+    for batch in (collate(items, CPU.device, 1), collate(items, CPU.device, 1, objective.ttt_steps)):
+        objective.zero_grad(set_to_none=True)
+        loss, stats, agree, valid = objective(batch, head)
+        loss.backward()
+        grads = [p.grad.clone() for p in objective.parameters() if p.requires_grad]
+        results.append([loss.detach(), stats, agree, valid, *grads])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    objective.ttt_steps = 3
+    with pytest.raises(ValueError, match="TTT steps"):
+        objective(collate(items, CPU.device, 1, 2), head)
