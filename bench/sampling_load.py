@@ -2,9 +2,9 @@
 outputs at high concurrency, at two prompt counts. Every row must be accounted for (ok + error + skipped
 == prompts, and as many Parquet rows), and the client's peak memory must stay flat as the prompt count
 grows: each size runs in a fresh client process (its own run directory) whose peak RSS (ru_maxrss, the
-server's processes excluded) and RSS before sampling are measured; the ratio largest/smallest is printed
-(flat ≈ 1.0), as is the ratio of the growth during sampling (peak minus RSS before). Appends the result
-with the command to bench/RESULTS.md.
+server's processes excluded) and RSS before sampling (after the fixed cost of loading the tokenizer) are
+measured; the ratio largest/smallest is printed (flat ≈ 1.0), as is the growth during sampling (peak
+minus RSS before) and its slope per prompt. Appends the result with the command to bench/RESULTS.md.
 
     python bench/sampling_load.py [--sizes 500 2000 --concurrency 64 --max-tokens 8]
 """
@@ -27,6 +27,7 @@ import psutil
 import pyarrow.parquet as pq
 from sampling_speed import RESULTS, machine_info
 
+from eagle3_core.chat_tokens import ChatTokenizer
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.sampling import sample_prompts
@@ -61,6 +62,7 @@ def client(url: str, prompts: int, run_dir: Path, concurrency: int, max_tokens: 
     )
     events = RunEvents(run_dir)
     target = prepare_target(config.target, events)
+    ChatTokenizer(target.root)  # the fixed cost (transformers, the tokenizer), outside the growth
     rss_before = psutil.Process().memory_info().rss
     start = time.perf_counter()
     sample_set = sample_prompts(config, target, events, server=ExternalServer(url))
@@ -127,7 +129,9 @@ def main() -> None:
     lines = [describe(r) for r in results] + [
         f"peak RSS ratio {largest['prompts']}/{smallest['prompts']}: "
         f"{largest['peak_rss_mib'] / smallest['peak_rss_mib']:.3f}; growth during sampling "
-        f"{growth[1]:.0f} vs {growth[0]:.0f} MiB (ratio {growth[1] / max(growth[0], 1):.2f}); "
+        f"{growth[1]:.0f} vs {growth[0]:.0f} MiB (ratio {growth[1] / max(growth[0], 1):.2f}, "
+        f"{(growth[1] - growth[0]) * 2**10 / (largest['prompts'] - smallest['prompts']):.2f} KiB per extra "
+        f"prompt); "
         f"load average at the end {os.getloadavg()[0]:.1f}"
     ]
     unaccounted = [
