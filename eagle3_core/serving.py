@@ -288,6 +288,7 @@ class VllmServer:
         self.phase = phase
         self.pid_file = self.server_dir / f"{phase}.pid"
         self.log_path = self.server_dir / f"{phase}.log"
+        self.previous_log_path = self.server_dir / f"{phase}.previous.log"
         self.api_key = api_key_of(config)
         self.port = config.port
         self.process: subprocess.Popen[bytes] | None = None
@@ -304,6 +305,8 @@ class VllmServer:
         check_port_free(self.config.host, self.port)
         command = build_command(self.config, self.model_dir, self.port, self.extra_args)
         self.server_dir.mkdir(parents=True, exist_ok=True)
+        if self.log_path.exists():  # the log of the engine before (one that died, say) is kept, once
+            self.log_path.replace(self.previous_log_path)
         launched = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(

@@ -154,6 +154,9 @@ def test_exit_report_is_none_while_running_then_names_the_signal_and_the_log_err
     assert "EngineDeadError" in errors and "Loading weights" not in errors
     assert noise[-1] in tail and noise[0] not in tail
     assert gone(child_pid(tmp_path)) and not server.pid_file.exists()
+    with serving.VllmServer(fake_engine(lines=SHARD_LINES), "model", tmp_path, events) as restarted:
+        assert "EngineDeadError" in restarted.previous_log_path.read_text(), "the dead engine's log is kept"
+        assert "EngineDeadError" not in restarted.log_path.read_text()
 
 
 def test_worker_ignoring_sigterm_is_killed_after_grace(tmp_path, fake_engine):
