@@ -137,7 +137,7 @@ class VllmBackend:
         try:
             return list(self.pool.map(self.extract_one, rows)), None
         except Exception as exc:
-            report = self.engine_exit(ENGINE_EXIT_WAIT_S) if engine_may_have_died(exc) else None
+            report = self.engine_exit(ENGINE_EXIT_WAIT_S if engine_may_have_died(exc) else 0)
             if report is None:
                 raise
             raise EngineDied(f"extraction engine died mid-shard ({len(rows)} samples, none kept): {report}") from exc
