@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -125,11 +126,38 @@ class PartWriter:
             self.rows = []
 
 
+@dataclass
+class RowTally:
+    """What the manifest needs from the rows: ids (to account for the prompts), counts and error reasons."""
+
+    ids: Counter[str] = field(default_factory=Counter)
+    status: Counter[str] = field(default_factory=Counter)
+    errors: dict[str, str] = field(default_factory=dict)
+    tokens: int = 0
+    loss_tokens: int = 0
+
+
+def tally_parts(parts: list[Path]) -> RowTally:
+    """Tally the rows of `parts`, one part in memory at a time (not every row: the client's memory stays
+    flat however many prompts there are)."""
+    tally = RowTally()
+    for part in parts:
+        for row in read_part(part):
+            tally.ids[row["id"]] += 1
+            tally.status[row["status"]] += 1
+            if row["status"] == "error":
+                tally.errors[row["id"]] = row["error"]
+            if row["status"] == "ok":
+                tally.tokens += len(row["input_ids"])
+                tally.loss_tokens += sum(row["loss_mask"])
+    return tally
+
+
 def finish_sample_set(out_dir: Path, key: dict[str, Any], target: TargetModel, prompts: list[Prompt]) -> SampleSet:
     """Count every row, check that each prompt has exactly one, and save the manifest."""
     parts = sorted(out_dir.glob(PART_GLOB))
-    rows = [row for part in parts for row in read_part(part)]
-    ids = Counter(row["id"] for row in rows)
+    tally = tally_parts(parts)
+    ids = tally.ids
     wanted = {p.id for p in prompts}
     missing, extra = wanted - ids.keys(), ids.keys() - wanted
     repeated = [i for i, n in ids.items() if n > 1]
@@ -138,8 +166,7 @@ def finish_sample_set(out_dir: Path, key: dict[str, Any], target: TargetModel, p
             f"samples at {out_dir} do not account for the prompts: {len(missing)} missing, "
             f"{len(extra)} unknown, {len(repeated)} repeated (e.g. {sorted(missing | extra | set(repeated))[:3]})"
         )
-    status = Counter(row["status"] for row in rows)
-    ok_rows = [row for row in rows if row["status"] == "ok"]
+    status = tally.status
     sample_set = SampleSet(
         root=str(out_dir),
         files=record_files(out_dir, parts),
@@ -149,9 +176,9 @@ def finish_sample_set(out_dir: Path, key: dict[str, Any], target: TargetModel, p
         ok=status["ok"],
         error=status["error"],
         skipped=status["skipped"],
-        tokens=sum(len(row["input_ids"]) for row in ok_rows),
-        loss_tokens=sum(sum(row["loss_mask"]) for row in ok_rows),
-        errors={row["id"]: row["error"] for row in rows if row["status"] == "error"},
+        tokens=tally.tokens,
+        loss_tokens=tally.loss_tokens,
+        errors=tally.errors,
         target_digest=target.digest,
         tokenizer_digest=target.tokenizer_digest,
     )

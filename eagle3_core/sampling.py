@@ -2,10 +2,13 @@
 
 Requests go to an OpenAI-compatible server (a vLLM server started here, one handed in, or an external
 URL) with bounded concurrency. Connection errors and 5xx are retried with backoff; a 4xx is the request's
-own fault and becomes an error row at once; a server that stays unreachable aborts the run. Rows are
-written as Parquet parts as they complete, so a crash loses at most one part; a re-run keeps the ok rows
-and samples only the rest (errors are retried). Every prompt ends as exactly one row: ok, error (with its
-reason) or skipped (too long for the model).
+own fault and becomes an error row at once; a server that stays unreachable aborts the run. A started
+engine that dies aborts it at once, before any retry is spent and without an error row for any prompt in
+flight (those prompts are not the cause, and an error row would count as done on resume): the phase fails
+with `SamplingAborted` (an `EngineDied`, transient) naming how the engine ended and its log's last lines.
+Rows are written as Parquet parts as they complete, so a crash loses at most one part; a re-run keeps the
+ok rows and samples only the rest (errors are retried). Every prompt ends as exactly one row: ok, error
+(with its reason) or skipped (too long for the model).
 """
 
 from __future__ import annotations
@@ -32,22 +35,34 @@ from eagle3_core.sample_store import (
     prepare_sample_dir,
     run_key,
 )
-from eagle3_core.serving import ExternalServer, VllmServer, open_server
+from eagle3_core.serving import EngineDied, ExternalServer, VllmServer, open_server
 from eagle3_core.shared_server import SharedServer, running_server
 
 PHASE = "sampling"
+# How long a request that failed for good waits for a dying engine's process to end (vLLM answers 5xx for a
+# moment after its engine core died, then exits) before the failure is blamed on the request.
+ENGINE_EXIT_WAIT_S = 10.0
+
+EngineExit = Callable[[float], str | None]
 
 
-class SamplingAborted(RuntimeError):
-    """The server stopped answering; rows already completed are written, a re-run resumes after them."""
+def engine_running(wait_s: float = 0) -> str | None:
+    """The engine check of a server whose death cannot be observed: never reports one."""
+    return None
+
+
+class SamplingAborted(EngineDied):
+    """The server died or stopped answering; rows already completed are written, a re-run resumes after them."""
 
 
 class RequestFailed(Exception):
-    """A request that failed for good; `unreachable` means the server itself is gone."""
+    """A request that failed for good; `unreachable` means the server itself is gone, `rejected` that it
+    answered with a 4xx (the request's own fault)."""
 
-    def __init__(self, reason: str, unreachable: bool = False):
+    def __init__(self, reason: str, unreachable: bool = False, rejected: bool = False):
         super().__init__(reason)
         self.unreachable = unreachable
+        self.rejected = rejected
 
 
 def headers(api_key: str | None) -> dict[str, str]:
@@ -55,13 +70,21 @@ def headers(api_key: str | None) -> dict[str, str]:
 
 
 async def post_with_retry(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], retries: int, backoff_s: float
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    retries: int,
+    backoff_s: float,
+    engine_exit: EngineExit = engine_running,
 ) -> dict[str, Any]:
     """POST and return the JSON answer. Connection errors, timeouts and 5xx are retried `retries` times
-    with doubling delays; a 4xx is raised at once (sending it again would fail again)."""
+    with doubling delays, unless `engine_exit` reports the engine dead (then `SamplingAborted` at once);
+    a 4xx is raised at once (sending it again would fail again)."""
     reason, unreachable = "", False
     for attempt in range(retries + 1):
         if attempt:
+            if report := engine_exit(0):
+                raise SamplingAborted(report)
             await asyncio.sleep(backoff_s * 2 ** (attempt - 1))
         try:
             response = await client.post(url, json=body)
@@ -73,7 +96,7 @@ async def post_with_retry(
             reason, unreachable = f"HTTP {response.status_code}: {response.text[:500]}", False
             continue
         if response.status_code >= 400:
-            raise RequestFailed(f"HTTP {response.status_code}: {response.text[:500]}")
+            raise RequestFailed(f"HTTP {response.status_code}: {response.text[:500]}", rejected=True)
         return response.json()
     raise RequestFailed(f"{reason} (after {retries} retries)", unreachable=unreachable)
 
@@ -120,13 +143,20 @@ class Sampler:
     rest with bounded concurrency and renders each answer into its token view."""
 
     def __init__(
-        self, base_url: str, api_key: str | None, config: SamplingConfig, tokens: ChatTokenizer, max_model_len: int
+        self,
+        base_url: str,
+        api_key: str | None,
+        config: SamplingConfig,
+        tokens: ChatTokenizer,
+        max_model_len: int,
+        engine_exit: EngineExit = engine_running,
     ):
         self.base_url = base_url
         self.api_key = api_key
         self.config = config
         self.tokens = tokens
         self.max_model_len = max_model_len
+        self.engine_exit = engine_exit
 
     def skip_reason(self, prompt: Prompt) -> tuple[str | None, int]:
         """(reason to skip or None, tokens left for the completion)."""
@@ -149,16 +179,26 @@ class Sampler:
                 body,
                 self.config.max_retries,
                 self.config.retry_backoff_s,
+                self.engine_exit,
             )
             fields = parse_completion(answer)
         except RequestFailed as exc:
-            if exc.unreachable:
-                raise SamplingAborted(f"server {self.base_url} unreachable: {exc}") from None
+            await self.abort_if_server_gone(exc)
             return {**row, "status": "error", "error": str(exc)}
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             return {**row, "status": "error", "error": f"malformed answer: {type(exc).__name__}: {exc}"}
         view = self.tokens.token_view(prompt.messages, fields["reasoning"], fields["response"])
         return {**row, **fields, "status": "ok", "input_ids": view.input_ids, "loss_mask": view.loss_mask}
+
+    async def abort_if_server_gone(self, failure: RequestFailed) -> None:
+        """Raise `SamplingAborted` when a request failed for good because the engine died (waiting a moment
+        for a dying engine to exit) or the server is unreachable; a 4xx is the request's own fault."""
+        if failure.rejected:
+            return
+        if report := await asyncio.to_thread(self.engine_exit, ENGINE_EXIT_WAIT_S):
+            raise SamplingAborted(report) from None
+        if failure.unreachable:
+            raise SamplingAborted(f"server {self.base_url} unreachable: {failure}") from None
 
     async def run(self, work: list[tuple[int, Prompt]], on_row: Callable[[dict[str, Any]], None]) -> None:
         """Sample `work` ((prompt index, prompt) pairs) with `config.concurrency` requests in flight;
@@ -261,10 +301,28 @@ def sample_with(
         counts(row)
 
     sampler = Sampler(
-        server.base_url, server.api_key, config.sampling, ChatTokenizer(target.root), config.server.max_model_len
+        server.base_url,
+        server.api_key,
+        config.sampling,
+        ChatTokenizer(target.root),
+        config.server.max_model_len,
+        server.exit_report,
     )
     counts.meter = RateMeter()  # tokens/s of sampling alone, not of the engine start before it
-    asyncio.run(sampler.run(work, record))
+    try:
+        asyncio.run(sampler.run(work, record))
+    except SamplingAborted as exc:
+        sampled = len(work) - (counts.total - counts.done)
+        events.record(
+            PHASE,
+            DECISION,
+            f"aborted after {sampled} of {len(work)} prompts, their rows kept, {len(work) - sampled} left "
+            f"for a re-run: {str(exc).splitlines()[0]}",
+            sampled=sampled,
+            left=len(work) - sampled,
+            reason=str(exc),
+        )
+        raise
     seconds = time.monotonic() - counts.meter.start
     events.record(
         PHASE,

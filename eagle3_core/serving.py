@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -37,18 +38,34 @@ from eagle3_core.server_processes import (
     wait_gpu_release,
 )
 
-__all__ = ["ExternalServer", "PortInUseError", "ServerError", "VllmServer", "free_port", "open_server", "stop_server"]
+__all__ = [
+    "EngineDied",
+    "ExternalServer",
+    "PortInUseError",
+    "ServerError",
+    "VllmServer",
+    "free_port",
+    "open_server",
+    "stop_server",
+]
 
 LOG_TAIL_LINES = 40
 SHARD_PROGRESS = re.compile(
     r"Loading safetensors checkpoint shards(?: \(eager\))?:\s*(?P<percent>\d+)% Completed"
     r"\s*\|\s*(?P<done>\d+)/(?P<total>\d+)\s*\[(?P<elapsed>[\d:]+)<(?P<eta>[\d:?]+)"
 )
+ERROR_LINE = re.compile(r"\bERROR\b|^Traceback|^[\w.]+(Error|Exception)\b|out of memory")
+ERROR_LINES = 8
 LOAD_SECONDS = re.compile(r"Loading weights took (?P<seconds>[\d.]+) seconds")
 
 
 class PortInUseError(ServerError):
     """The configured port is taken by another process."""
+
+
+class EngineDied(ServerError):
+    """The engine died in the middle of a phase (its process exited). Transient: a retry of the phase starts
+    a new engine and resumes after the work already kept. The message says how it ended and its log's tail."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +138,32 @@ class LogTail:
 
     def tail_text(self) -> str:
         return "\n".join(list(self.last) + ([self.partial] if self.partial.strip() else []))
+
+
+def exit_description(returncode: int) -> str:
+    """A Popen return code in words: `exit code 1`, or `killed by SIGKILL` for -9."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def log_excerpt(path: Path, lines: int = LOG_TAIL_LINES // 2, read_bytes: int = 256 * 1024) -> str:
+    """The log's last error lines (a dying engine's error is often followed by pages of shutdown noise)
+    and its last `lines` lines. Only the log's end is read: a night's log can be large."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - read_bytes))
+            text = f.read().decode(errors="replace")
+    except OSError as exc:
+        return f"log {path} unreadable: {exc}"
+    all_lines = [line for line in re.split(r"[\r\n]", text) if line.strip()]
+    tail = all_lines[-lines:]
+    errors = [line for line in all_lines[:-lines] if ERROR_LINE.search(line)][-ERROR_LINES:]
+    shown = (["last errors:", *errors] if errors else []) + ["last lines:", *tail]
+    return f"log {path}, " + "\n".join(shown)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -211,6 +254,11 @@ class ExternalServer:
     def stop(self) -> None:
         """Nothing to stop: the server belongs to someone else."""
 
+    def exit_report(self, wait_s: float = 0) -> str | None:
+        """Always None: whether someone else's server died cannot be told from here (only that it is
+        unreachable)."""
+        return None
+
     def __enter__(self) -> ExternalServer:
         return self.start()
 
@@ -241,6 +289,7 @@ class VllmServer:
         self.phase = phase
         self.pid_file = self.server_dir / f"{phase}.pid"
         self.log_path = self.server_dir / f"{phase}.log"
+        self.previous_log_path = self.server_dir / f"{phase}.previous.log"
         self.api_key = api_key_of(config)
         self.port = config.port
         self.process: subprocess.Popen[bytes] | None = None
@@ -257,6 +306,8 @@ class VllmServer:
         check_port_free(self.config.host, self.port)
         command = build_command(self.config, self.model_dir, self.port, self.extra_args)
         self.server_dir.mkdir(parents=True, exist_ok=True)
+        if self.log_path.exists():  # the log of the engine before (one that died, say) is kept, once
+            self.log_path.replace(self.previous_log_path)
         launched = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -356,6 +407,21 @@ class VllmServer:
             return httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def exit_report(self, wait_s: float = 0) -> str | None:
+        """None while the server process runs (waiting up to `wait_s` for it to exit: a dying engine
+        answers 5xx or drops connections a moment before its process ends); once it has exited, how it
+        ended and its log's last lines."""
+        if self.process is None:
+            return None
+        try:
+            returncode = self.process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return None
+        return (
+            f"vLLM server pid {self.process.pid} ({self.phase}) died: {exit_description(returncode)}; "
+            f"{log_excerpt(self.log_path)}"
+        )
 
     def stop(self) -> None:
         """SIGTERM the process group, SIGKILL after `stop_grace_s`, verify nothing is left, and on GPUs

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import errno
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.faults import InjectedFault, check_fault
 from eagle3_core.files import DiskFullError, sha256_json
 from eagle3_core.preflight import PreflightError
+from eagle3_core.serving import EngineDied
 from tasks.secrets import export_api_key
 
 ExtraContent = Callable[[PipelineConfig], Any]
@@ -145,6 +147,13 @@ DETERMINISTIC = (
 )
 # Matched by name: importing them would load torch or the evaluation phase into every task module.
 DETERMINISTIC_NAMES = {"OutOfMemoryError", "AcceptanceBelowFloor"}
+# A full disk or quota stays full after another weight load.
+DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+# Matched in messages too: pyarrow and safetensors raise OSError without an errno.
+DETERMINISTIC_MESSAGES = ("out of memory", "no space left on device", "disk quota exceeded")
+# Transient whatever it caused: an engine that died mid-phase makes its in-flight requests fail in any way
+# (a 5xx read as a bad shard, a half-written file), and a new engine resumes the work.
+TRANSIENT = (EngineDied,)
 
 
 def exception_chain(exc: BaseException) -> list[BaseException]:
@@ -157,13 +166,19 @@ def exception_chain(exc: BaseException) -> list[BaseException]:
 
 
 def is_deterministic(exc: BaseException) -> bool:
-    """True for failures a retry would repeat: bad input, out of memory, a failed validation (of an
-    artifact or of the acceptance floor), an injected fault."""
+    """True for failures a retry would repeat: bad input, out of memory, a full disk, a failed validation
+    (of an artifact or of the acceptance floor), an injected fault. The chain is read from the outermost
+    exception in; the first link that is deterministic or `TRANSIENT` decides (an engine that died of
+    out of memory is deterministic: its log says so)."""
     for link in exception_chain(exc):
         if isinstance(link, DETERMINISTIC) or type(link).__name__ in DETERMINISTIC_NAMES:
             return True
-        if "out of memory" in str(link).lower():
+        if any(message in str(link).lower() for message in DETERMINISTIC_MESSAGES):
             return True
+        if isinstance(link, OSError) and link.errno in DISK_FULL_ERRNOS:
+            return True
+        if isinstance(link, TRANSIENT):
+            return False
     return False
 
 

@@ -8,7 +8,9 @@ path comes back in `kv_transfer_params`; the file is read, checked and deleted, 
 shards. Tensor parallelism, memory share and the rest come from `config.server`; the server lifecycle
 (load progress, stall detection, clean stop) is `eagle3_core.serving`'s. `shared_server` builds the one
 server sampling and extraction share when `extraction.reuse_sampling_server` says so
-(`eagle3_core.shared_server`).
+(`eagle3_core.shared_server`). An engine that dies mid-shard fails the shard with `EngineDied` (transient:
+the phase's retry starts a new engine and extracts only the shards without a completion record);
+nothing of the failed shard is written.
 """
 
 from __future__ import annotations
@@ -31,10 +33,29 @@ from eagle3_core.extraction.connector import CONNECTOR_NAME, EXTRACT_REQUEST
 from eagle3_core.extraction.phase import OUT_DIR, resolve_layer_ids
 from eagle3_core.extraction.storage import SampleStates, ShardError
 from eagle3_core.progress import ProgressCallback
+from eagle3_core.serving import EngineDied
 from eagle3_core.shared_server import CONTEXT_MARGIN, SharedServer, running_server
 
 PHASE = "extraction"
 INCOMING_DIR = "incoming"
+# How long a failed shard waits for a dying engine's process to end (vLLM answers 5xx for a moment after
+# its engine core died, then exits) before the failure is blamed on the shard.
+ENGINE_EXIT_WAIT_S = 10.0
+
+EngineExit = Callable[[float], str | None]
+
+
+class ServerAnswerError(ShardError):
+    """The server answered a sample's request with an error status."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def engine_may_have_died(exc: BaseException) -> bool:
+    """Failures a dying engine causes: a lost connection, or a 5xx answer while it shuts down."""
+    return isinstance(exc, httpx.TransportError) or (isinstance(exc, ServerAnswerError) and exc.status >= 500)
 
 
 def server_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
@@ -81,7 +102,8 @@ def read_states_file(path: Path) -> dict[str, torch.Tensor]:
 class VllmBackend:
     """Sends a shard's samples to a running extraction server, `concurrency` requests at a time."""
 
-    def __init__(self, base_url: str, api_key: str | None, concurrency: int, timeout_s: float):
+    def __init__(self, base_url: str, api_key: str | None, concurrency: int, timeout_s: float, engine_exit: EngineExit):
+        self.engine_exit = engine_exit
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s)
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="extract-request")
@@ -101,7 +123,10 @@ class VllmBackend:
         }
         response = self.client.post("/v1/completions", json=body)
         if response.status_code != 200:
-            raise ShardError(f"sample {row['id']}: server answered {response.status_code}: {response.text[:300]}")
+            raise ServerAnswerError(
+                f"sample {row['id']}: server answered {response.status_code}: {response.text[:300]}",
+                response.status_code,
+            )
         answer = response.json()
         returned = answer["choices"][0].get("prompt_token_ids")
         if returned != ids:
@@ -120,7 +145,14 @@ class VllmBackend:
         )
 
     def extract(self, rows: list[dict]) -> tuple[list[SampleStates], None]:
-        return list(self.pool.map(self.extract_one, rows)), None
+        """The states of one shard's samples; `EngineDied` when the engine died meanwhile."""
+        try:
+            return list(self.pool.map(self.extract_one, rows)), None
+        except Exception as exc:
+            report = self.engine_exit(ENGINE_EXIT_WAIT_S if engine_may_have_died(exc) else 0)
+            if report is None:
+                raise
+            raise EngineDied(f"extraction engine died mid-shard ({len(rows)} samples, none kept): {report}") from exc
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -146,7 +178,9 @@ def open_vllm_backend(
     timeout_s = config.sampling.request_timeout_s
     if server is not None:
         running = running_server(server, PHASE, progress, max_tokens + 1)
-        backend = VllmBackend(running.base_url, running.api_key, config.extraction.concurrency, timeout_s)
+        backend = VllmBackend(
+            running.base_url, running.api_key, config.extraction.concurrency, timeout_s, running.exit_report
+        )
         try:
             yield backend
         finally:
@@ -162,9 +196,15 @@ def open_vllm_backend(
                       "to hold the longest sample", max_model_len=max_tokens + 1)  # fmt: skip
     args = extraction_args(layer_ids, target.num_layers, incoming.resolve())
     with VllmServer(server_config, target.root_path, config.run_dir, events, progress, args, PHASE) as running:
-        backend = VllmBackend(running.base_url, running.api_key, config.extraction.concurrency, timeout_s)
+        backend = VllmBackend(
+            running.base_url, running.api_key, config.extraction.concurrency, timeout_s, running.exit_report
+        )
         try:
             yield backend
+        except EngineDied as exc:
+            events.record(PHASE, DECISION, f"aborted: {str(exc).splitlines()[0]}; shards written before are "
+                          "kept, a re-run extracts the rest", reason=str(exc))  # fmt: skip
+            raise
         finally:
             backend.close()
             shutil.rmtree(incoming, ignore_errors=True)

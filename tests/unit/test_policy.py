@@ -4,6 +4,7 @@ fault injection. The tasks here are small real tasks that write and record real 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -21,8 +22,10 @@ from prefect.testing.utilities import prefect_test_harness
 from eagle3_core.artifacts import FileRecord, Manifest, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
+from eagle3_core.extraction.storage import ShardError
 from eagle3_core.faults import ENV, InjectedFault, check_fault, faulting_progress
 from eagle3_core.progress import ProgressUpdate
+from eagle3_core.serving import EngineDied
 from tasks.gpu import ensure_concurrency_limit
 from tasks.policy import (
     PhaseCachePolicy,
@@ -195,6 +198,8 @@ def flaky_task(config: PipelineConfig, error: str) -> Manifest:
             "bad_input": ValueError("prompts.jsonl line 3: no messages"),
             "oom": RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
             "fault": InjectedFault("drill"),
+            "engine_died": EngineDied("vLLM server pid 7 (sampling) died: killed by SIGKILL"),
+            "disk_full": OSError(errno.ENOSPC, "No space left on device"),
         }[error]
     return write_unit_manifest(config, error)
 
@@ -206,7 +211,14 @@ def flaky_flow(config: PipelineConfig, error: str) -> str:
 
 @pytest.mark.parametrize(
     ("error", "attempts", "final"),
-    [("connection", 2, "Completed"), ("bad_input", 1, "Failed"), ("oom", 1, "Failed"), ("fault", 1, "Failed")],
+    [
+        ("connection", 2, "Completed"),
+        ("engine_died", 2, "Completed"),
+        ("bad_input", 1, "Failed"),
+        ("oom", 1, "Failed"),
+        ("fault", 1, "Failed"),
+        ("disk_full", 1, "Failed"),
+    ],
 )
 def test_retries_only_transient_failures(config: PipelineConfig, error: str, attempts: int, final: str):
     ATTEMPTS.clear()
@@ -223,6 +235,19 @@ def test_deterministic_failures_are_found_in_the_cause_chain():
     except RuntimeError as wrapped:
         assert is_deterministic(wrapped)
     assert not is_deterministic(TimeoutError("no response"))
+
+
+def test_a_dead_engine_is_transient_whatever_its_requests_failed_with_unless_it_ran_out_of_memory():
+    try:
+        try:
+            raise ShardError("sample p3: server answered 500: EngineCore encountered an issue")
+        except ShardError as exc:
+            raise EngineDied("extraction engine died mid-shard: killed by SIGKILL") from exc
+    except EngineDied as died:
+        assert not is_deterministic(died)
+    assert is_deterministic(EngineDied("died: exit code 1; last errors:\ntorch.OutOfMemoryError: CUDA out of memory"))
+    assert is_deterministic(RuntimeError("writing a shard failed: [Errno 28] No space left on device"))
+    assert not is_deterministic(OSError(errno.ECONNRESET, "Connection reset by peer"))
 
 
 def test_fault_points(monkeypatch: pytest.MonkeyPatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
@@ -137,6 +138,31 @@ def test_unreachable_server_aborts_keeps_rows_and_resume_fills_the_rest(tmp_path
     sample_set = sampling.sample_prompts(config, smollm2_target, RunEvents(config.run_dir), server=scripted)
     assert sample_set.ok == 10
     assert sorted(ScriptedServer.requests - before) == sorted(["alive now"] + [f"later {i}" for i in range(4)])
+
+
+class DyingEngine(ExternalServer):
+    """An engine whose core dies on the prompt `FAIL500x9 core died`: from then on the server answers 500
+    (as vLLM does for a moment) and `exit_report` reports the process gone."""
+
+    def exit_report(self, wait_s: float = 0) -> str | None:
+        if ScriptedServer.requests["FAIL500x9 core died"]:
+            return "vLLM server pid 1 (sampling) died: exit code 1; log server/sampling.log"
+        return None
+
+
+def test_a_dying_engine_aborts_at_once_without_error_rows_and_keeps_the_rows_done(tmp_path, scripted, smollm2_target):
+    texts = [f"plain {i}" for i in range(4)] + ["FAIL500x9 core died"] + [f"later {i}" for i in range(4)]
+    config = make_config(tmp_path, texts, concurrency=1, max_retries=3, retry_backoff_s=30)
+    events = RunEvents(config.run_dir)
+    begun = time.monotonic()
+    with pytest.raises(sampling.SamplingAborted, match="died: exit code 1"):
+        sampling.sample_prompts(config, smollm2_target, events, server=DyingEngine(scripted.base_url))
+    assert time.monotonic() - begun < 20, "no retry is spent on a dead engine (the first backoff is 30 s)"
+    assert ScriptedServer.requests["FAIL500x9 core died"] == 1
+    written = [r for p in sorted((config.run_dir / "samples").glob("part-*.parquet")) for r in read_part(p)]
+    assert [(r["id"], r["status"]) for r in written] == [(f"p{i}", "ok") for i in range(4)]
+    [aborted] = [e for e in events.read() if "reason" in e]
+    assert (aborted["sampled"], aborted["left"]) == (4, 5)
 
 
 def test_changed_sampling_parameters_discard_old_rows(tmp_path, scripted, smollm2_target):

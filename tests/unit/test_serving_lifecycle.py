@@ -5,6 +5,8 @@ the process-tree stop, SIGKILL after the grace period, stale servers and an occu
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import sys
 import textwrap
@@ -137,6 +139,24 @@ def test_crash_during_start_reports_exit_code_and_log(tmp_path, fake_engine):
         server.start()
     assert "CUDA out of memory" in str(info.value)
     assert gone(child_pid(tmp_path))
+
+
+def test_exit_report_is_none_while_running_then_names_the_signal_and_the_log_errors(tmp_path, fake_engine):
+    noise = [f' - leaked function "get_int{i}_ty"' for i in range(40)]  # vLLM's exit prints pages of this
+    lines = [*SHARD_LINES, "ERROR 11-30 [async_llm.py:906] EngineDeadError: EngineCore encountered an issue", *noise]
+    events = RunEvents(tmp_path)
+    with serving.VllmServer(fake_engine(lines=lines), "model", tmp_path, events) as server:
+        assert server.exit_report(wait_s=0.2) is None
+        os.killpg(server.process.pid, signal.SIGKILL)
+        report = server.exit_report(wait_s=10)
+    assert "died: killed by SIGKILL" in report
+    errors, tail = report.split("last lines:")
+    assert "EngineDeadError" in errors and "Loading weights" not in errors
+    assert noise[-1] in tail and noise[0] not in tail
+    assert gone(child_pid(tmp_path)) and not server.pid_file.exists()
+    with serving.VllmServer(fake_engine(lines=SHARD_LINES), "model", tmp_path, events) as restarted:
+        assert "EngineDeadError" in restarted.previous_log_path.read_text(), "the dead engine's log is kept"
+        assert "EngineDeadError" not in restarted.log_path.read_text()
 
 
 def test_worker_ignoring_sigterm_is_killed_after_grace(tmp_path, fake_engine):
