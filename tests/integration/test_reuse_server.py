@@ -169,3 +169,24 @@ def test_a_failed_extraction_in_reuse_mode_resumes_without_sampling_again(
     assert any(e["event"] == RESUME for e in events if e["phase"] == "extraction"), "extraction resumed"
     assert loads(events) == {"extraction": 1}, "extraction started the shared server itself"
     assert not engines_left(run_dir, events)
+
+
+@pytest.mark.timeout(1800)
+def test_an_engine_killed_mid_extraction_in_reuse_mode_is_restarted_by_the_retry(
+    separate_run, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+):
+    """A real SIGKILL of the shared server during extraction: the task's one retry finds it dead, starts it
+    again (one more weight load, in extraction) and extracts only the shards still missing; sampling is
+    not redone and no process is left."""
+    run_dir = seeded_run_dir(separate_run[2], tmp_path_factory.mktemp("killed") / "run")
+    config = make_config(run_dir, "on", PROMPTS + NEW_PROMPTS).model_copy(
+        update={"orchestration": PipelineConfig().orchestration.model_copy(update={"retries": 1, "retry_delay_s": 1})}
+    )
+
+    phases, events = run_flow(config, monkeypatch, f"extraction:kill-engine@samples=6,{STOP_AFTER_EXTRACTION}")
+    assert phases["sampling"] == phases["extraction"] == "Completed"
+    assert sampled_prompts(events) == [NEW_PROMPTS]
+    assert loads(events) == {"sampling": 1, "extraction": 1}, "the dead shared server was started once more"
+    assert any("not alive" in e["message"] for e in events if e["phase"] == "extraction")
+    assert any(e["event"] == RESUME for e in events if e["phase"] == "extraction"), "only missing shards redone"
+    assert not list((run_dir / "server").glob("*.pid")) and not engines_left(run_dir, events)
