@@ -183,6 +183,9 @@ class TrainingConfig(Section):
         "ddp", description="Under torchrun: DDP (replicated draft) or FSDP2 (sharded, for large drafts)."
     )
     keep_checkpoints: int = Field(2, ge=1, description="Resumable training states kept (newest first).")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="torch.compile the draft's dense blocks + fused soft-CE: auto = on CUDA; same math."
+    )
 
 
 class EvaluationConfig(Section):

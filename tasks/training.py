@@ -1,6 +1,6 @@
-"""Prefect task of draft training. Keyed on the training settings (not device, sharding or checkpointing),
-the upstream manifests and, for a warm start, the content of the checkpoint started from: the nightly
-run warm-starts from `current`, a folder whose name stays while its drafter changes."""
+"""Prefect task of draft training. Keyed on the training settings (not device, sharding, compilation or
+checkpointing), the upstream manifests and, for a warm start, the content of the checkpoint started from:
+the nightly run warm-starts from `current`, a folder whose name stays while its drafter changes."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ POLICY = PhaseCachePolicy(
         "training.checkpoint_every",
         "training.keep_checkpoints",
         "training.sharding",
+        "training.compile",
     ),
     extra=warm_start_content,
 )

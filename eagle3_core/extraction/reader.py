@@ -64,10 +64,18 @@ class HiddenStateDataset(Dataset):
     `position_ids` [T] long (0 at each sample's start), `document_ids` [T] long (0, 1, ... within the item),
     with T <= max_length. `sample_ids` lists every sample of the set in stored order (for train/validation
     splits); `sample_ids=` restricts the dataset to those ids, in that order. `truncated` counts samples
-    longer than `max_length` (kept, cut to `max_length`).
+    longer than `max_length` (kept, cut to `max_length`). `dequantize=False`: `aux`/`last` as stored (bf16,
+    or fp8 with `aux_scale` [T, 3] / `last_scale` [T]), for the training loop to dequantise on its device
+    (`dequantize_states`: the same float32 values, from a half or quarter of the bytes to copy).
     """
 
-    def __init__(self, hidden_states: HiddenStateSet, max_length: int, sample_ids: list[str] | None = None):
+    def __init__(
+        self,
+        hidden_states: HiddenStateSet,
+        max_length: int,
+        sample_ids: list[str] | None = None,
+        dequantize: bool = True,
+    ):
         if max_length < 1:
             raise ValueError(f"max_length must be positive, got {max_length}")
         # Sizes of every file, and a re-hash of any whose mtime changed: a shard damaged after it was
@@ -75,6 +83,7 @@ class HiddenStateDataset(Dataset):
         hidden_states.validate()
         self.hidden_states = hidden_states
         self.max_length = max_length
+        self.dequantize = dequantize
         entries = load_index(hidden_states)
         self.sample_ids = [e.sample_id for e in entries]
         by_id = {e.sample_id: e for e in entries}
@@ -101,11 +110,11 @@ class HiddenStateDataset(Dataset):
     def _read(self, entry: IndexEntry) -> dict[str, torch.Tensor]:
         with safe_open(str(self.hidden_states.path_of(entry.shard)), framework="pt") as handle:
             offsets = self._shard_offsets(handle, entry.shard)
-            return read_sample(handle, offsets, entry.position, self.max_length)
+            return read_sample(handle, offsets, entry.position, self.max_length, self.dequantize)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         parts = [self._read(self.entries[i]) for i in self.packs[index]]
-        item = {name: torch.cat([p[name] for p in parts]) for name in ("aux", "last", "input_ids", "loss_mask")}
+        item = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
         item["position_ids"] = torch.cat([torch.arange(len(p["input_ids"])) for p in parts])
         item["document_ids"] = torch.cat(
             [torch.full((len(p["input_ids"]),), doc, dtype=torch.long) for doc, p in enumerate(parts)]

@@ -181,23 +181,36 @@ def shard_sample_ids(path: Path) -> list[str]:
     return json.loads(read_shard_metadata(path)["sample_ids"])
 
 
-def read_sample(handle, offsets: torch.Tensor, index: int, max_tokens: int | None = None) -> dict[str, torch.Tensor]:
+def read_sample(
+    handle, offsets: torch.Tensor, index: int, max_tokens: int | None = None, dequantize: bool = True
+) -> dict[str, torch.Tensor]:
     """Read sample `index` of an open shard (`safe_open` handle), reading only its rows, dequantised to
-    float32 (`aux` [T, 3, H], `last` [T, H]); at most `max_tokens` tokens from its start."""
+    float32 (`aux` [T, 3, H], `last` [T, H]); at most `max_tokens` tokens from its start. With
+    `dequantize=False` the states stay as stored (bf16, or fp8 with `aux_scale` [T, 3] / `last_scale` [T]):
+    `dequantize_states` then makes the same float32 values, e.g. on the GPU after a smaller copy."""
     start, end = int(offsets[index]), int(offsets[index + 1])
     if max_tokens is not None:
         end = min(end, start + max_tokens)
     rows = {name: handle.get_slice(name)[start:end] for name in ("aux", "last", "input_ids", "loss_mask")}
-    keys = set(handle.keys())
-    if "aux_scale" in keys:
-        rows["aux"] = dequantize_fp8(rows["aux"], handle.get_slice("aux_scale")[start:end])
-        rows["last"] = dequantize_fp8(rows["last"], handle.get_slice("last_scale")[start:end])
-    else:
-        rows["aux"] = rows["aux"].float()
-        rows["last"] = rows["last"].float()
+    if "aux_scale" in set(handle.keys()):
+        rows["aux_scale"] = handle.get_slice("aux_scale")[start:end]
+        rows["last_scale"] = handle.get_slice("last_scale")[start:end]
     rows["input_ids"] = rows["input_ids"].long()
     rows["loss_mask"] = rows["loss_mask"].bool()
-    return rows
+    return dequantize_states(rows) if dequantize else rows
+
+
+def dequantize_states(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`aux`/`last` (and their fp8 scales, dropped) as float32, on whatever device they are; the other
+    tensors unchanged. fp8 -> float32 and one float32 product per element: bit-identical on CPU and GPU."""
+    out = {name: tensor for name, tensor in rows.items() if name not in ("aux_scale", "last_scale")}
+    if "aux_scale" in rows:
+        out["aux"] = dequantize_fp8(rows["aux"], rows["aux_scale"])
+        out["last"] = dequantize_fp8(rows["last"], rows["last_scale"])
+    else:
+        out["aux"] = rows["aux"].float()
+        out["last"] = rows["last"].float()
+    return out
 
 
 def bytes_per_token(hidden_size: int, dtype: str) -> float:

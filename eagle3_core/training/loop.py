@@ -3,18 +3,26 @@ validation metrics per TTT position with a simulated acceptance length, resumabl
 
 The data position is the optimizer step: epoch e's order is a permutation seeded by (seed, e), so step s
 always reads the same batch, and a resumed run reads exactly what the uninterrupted run would have.
+
+The GPU never waits on the host: a background thread reads and collates the next batches and copies them
+on a side stream (`BatchPrefetcher`), and a step's loss / top-1 / tokens stay device tensors until the next
+report (`report_due`), where every pending step's history row is made with one host sync.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from eagle3_core.config import TrainingConfig
-from eagle3_core.events import RESUME, RunEvents
+from eagle3_core.events import DECISION, RESUME, RunEvents
+from eagle3_core.extraction.storage import dequantize_states
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.sample_table import is_heldout
 from eagle3_core.training.distributed import Group, all_reduce_sum, barrier, wrap
@@ -30,6 +38,8 @@ from eagle3_core.training.state import gather_state, latest_state, load_state, s
 PHASE = "training"
 
 Dataset = Sequence[dict[str, torch.Tensor]]
+# Seconds between reports (progress + history rows), each one host sync; checkpoints and the end always report.
+REPORT_INTERVAL_S = 1.0
 
 
 def split_validation(sample_ids: list[str], fraction: float) -> tuple[list[str], list[str]]:
@@ -63,26 +73,125 @@ def rank_batches(num_items: int, batch_size: int, group: Group, seed: int, epoch
     return [mine[i * batch_size : (i + 1) * batch_size] for i in range(steps)]
 
 
+def step_batches(
+    num_items: int, batch_size: int, group: Group, seed: int, steps_per_epoch: int, start: int, stop: int
+) -> Iterator[list[int]]:
+    """Item indices of steps `start` .. `stop - 1`: step s reads batch s % steps_per_epoch of epoch
+    s // steps_per_epoch (`rank_batches`), whatever step a run starts at."""
+    order_epoch, batches = None, []
+    for step in range(start, stop):
+        epoch, index = divmod(step, steps_per_epoch)
+        if order_epoch != epoch:
+            order_epoch, batches = epoch, rank_batches(num_items, batch_size, group, seed, epoch)
+        yield batches[index]
+
+
+def collate_host(
+    items: list[dict[str, torch.Tensor]], pad_multiple: int, ttt_steps: int | None = None, pin: bool = False
+) -> dict[str, torch.Tensor]:
+    """Stack packed sequences into host tensors [B, T, ...] (T rounded up to `pad_multiple`; pinned with
+    `pin`); padding is its own document (id -1) with loss_mask 0 (and fp8 scale 0), so it is never scored
+    and never seen by real tokens. States stay in the items' dtype. With `ttt_steps`, also the scored rows
+    of every step (`valid`, `scored`: `scored_rows`)."""
+    length = max(len(item["input_ids"]) for item in items)
+    length = math.ceil(length / pad_multiple) * pad_multiple
+    batch = {}
+    for name, first in items[0].items():
+        fill = -1 if name == "document_ids" else 0
+        stacked = torch.full((len(items), length, *first.shape[1:]), fill, dtype=first.dtype, pin_memory=pin)
+        for row, item in enumerate(items):
+            stacked[row, : len(item[name])] = item[name]
+        batch[name] = stacked  # [B, T, ...]
+    if ttt_steps is not None:
+        valid, scored = scored_rows(batch["loss_mask"], batch["document_ids"], ttt_steps)  # [K, B, T], [N, 3]
+        batch["valid"], batch["scored"] = (t.pin_memory() if pin else t for t in (valid, scored))
+    return batch
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Copy a host batch to `device` (asynchronous from pinned memory) and dequantise its states there
+    (`dequantize_states`: float32 `aux` [B, T, 3, H] / `last` [B, T, H], the same values as on the CPU)."""
+    return dequantize_states({name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()})
+
+
 def collate(
     items: list[dict[str, torch.Tensor]], device: torch.device, pad_multiple: int, ttt_steps: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """Stack packed sequences into [B, T] (T rounded up to `pad_multiple`); padding is its own document
-    (id -1) with loss_mask 0, so it is never scored and never seen by real tokens. With `ttt_steps`, also
-    the scored rows of every step (`valid`, `scored`: `scored_rows`), computed here on the CPU."""
-    length = max(len(item["input_ids"]) for item in items)
-    length = math.ceil(length / pad_multiple) * pad_multiple
-    fill = {"document_ids": -1}
-    batch = {}
-    for name in ("aux", "last", "input_ids", "loss_mask", "position_ids", "document_ids"):
-        rows = []
-        for item in items:
-            tensor = item[name]
-            pad = torch.full((length - len(tensor), *tensor.shape[1:]), fill.get(name, 0), dtype=tensor.dtype)
-            rows.append(torch.cat([tensor, pad]))
-        batch[name] = torch.stack(rows)
-    if ttt_steps is not None:
-        batch["valid"], batch["scored"] = scored_rows(batch["loss_mask"], batch["document_ids"], ttt_steps)
-    return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+    """`collate_host` then `to_device`: the batch of `items` on `device`, states float32."""
+    return to_device(collate_host(items, pad_multiple, ttt_steps), device)
+
+
+class BatchPrefetcher:
+    """The batches of `plan` (item indices per step), made ahead of the GPU by a background thread: items
+    read and collated on the host (pinned on CUDA), copied and dequantised on a side stream. `next()` makes
+    the current stream wait for that copy (no host wait) and returns the batch; a failure in the thread is
+    raised there. Up to `depth` batches are ready ahead."""
+
+    def __init__(
+        self,
+        data: Dataset,
+        plan: Iterator[list[int]],
+        device: torch.device,
+        pad_multiple: int,
+        ttt_steps: int,
+        depth: int = 2,
+    ):
+        self.device = device
+        self.ready: queue.Queue = queue.Queue(maxsize=depth)
+        self.closed = threading.Event()
+        self.thread = threading.Thread(
+            target=self._produce, args=(data, plan, pad_multiple, ttt_steps), name="batch-prefetch", daemon=True
+        )
+        self.thread.start()
+
+    def _produce(self, data: Dataset, plan: Iterator[list[int]], pad_multiple: int, ttt_steps: int) -> None:
+        try:
+            cuda = self.device.type == "cuda"
+            stream = torch.cuda.Stream(self.device) if cuda else None
+            for indices in plan:
+                if self.closed.is_set():
+                    return
+                batch = collate_host([data[i] for i in indices], pad_multiple, ttt_steps, pin=cuda)
+                if stream is None:
+                    self._put((to_device(batch, self.device), None))
+                    continue
+                with torch.cuda.stream(stream):
+                    batch = to_device(batch, self.device)
+                    copied = torch.cuda.Event()
+                    copied.record(stream)
+                self._put((batch, copied))
+        except BaseException as exc:  # handed to the training thread, which raises it
+            self._put(exc)
+
+    def _put(self, item) -> None:
+        while not self.closed.is_set():
+            try:
+                self.ready.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def next(self) -> dict[str, torch.Tensor]:
+        item = self.ready.get()
+        if isinstance(item, BaseException):
+            raise item
+        batch, copied = item
+        if copied is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(copied)
+            for tensor in batch.values():
+                tensor.record_stream(current)  # made on the side stream, used (and freed) on this one
+        return batch
+
+    def close(self) -> None:
+        self.closed.set()
+        self.thread.join()
+
+    def __enter__(self) -> BatchPrefetcher:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 def autocast(device: torch.device):
@@ -119,6 +228,36 @@ def validate(
     return metrics
 
 
+def compile_plan(setting: str, device: torch.device) -> str | None:
+    """The soft-CE kernel `TTTObjective.compile` runs with ("triton" on CUDA, "inductor" elsewhere), or None
+    to stay eager: `training.compile` "on", "off", or "auto" (compile on CUDA devices only)."""
+    if setting == "off" or (setting == "auto" and device.type != "cuda"):
+        return None
+    return "triton" if device.type == "cuda" else "inductor"
+
+
+def report_due(step: int, total: int, checkpoint_every: int, since_report_s: float, interval_s: float) -> bool:
+    """Whether the pending steps' rows are made now (one host sync): at every checkpoint (its history is
+    saved), at the end, and once `interval_s` seconds have passed since the last report."""
+    return step % checkpoint_every == 0 or step >= total or since_report_s >= interval_s
+
+
+def step_record(loss: torch.Tensor, stats: torch.Tensor, tokens: int, group: Group) -> torch.Tensor:
+    """One step's numbers as one device tensor, summed over ranks (no host sync): [1 + K*3 + 1] float64 =
+    loss, stats [K, 3] (CE sum, top-1 agreements, scored tokens), tokens of the batch."""
+    counted = torch.full((1,), float(tokens), dtype=torch.float64, device=stats.device)  # a fill, no copy
+    summed = all_reduce_sum(torch.cat([stats.detach().double().flatten(), counted]), group)
+    return torch.cat([loss.detach().double().view(1), summed])
+
+
+def history_row(step: int, lr: float, record: list[float]) -> tuple[dict[str, float], float]:
+    """(history row, tokens) of one step from its `step_record` values."""
+    loss, stats, tokens = record[0], record[1:-1], record[-1]
+    row = {"step": step, "loss": loss, "lr": lr}
+    row.update({f"top1_{k}": stats[3 * k + 1] / max(stats[3 * k + 2], 1.0) for k in range(len(stats) // 3)})
+    return row, tokens
+
+
 def run_training(
     objective: TTTObjective,
     head: TargetHead,
@@ -130,12 +269,24 @@ def run_training(
     events: RunEvents,
     progress: ProgressCallback = ignore_progress,
     stop_after: int | None = None,
+    report_interval_s: float = REPORT_INTERVAL_S,
 ) -> tuple[int, dict[str, float]]:
     """Train (resuming from `state_dir` when it holds a state) and return (steps done, metrics).
-    `stop_after` ends the process early at that step (as a crash would), after its checkpoint if due."""
+    `stop_after` ends the process early at that step (as a crash would), after its checkpoint if due.
+    Progress and history rows of every step, made at most every `report_interval_s` (`report_due`)."""
     device = group.device
     pad_multiple = 128 if device.type == "cuda" else 1
     objective.to(device)
+    loss_kernel = compile_plan(tc.compile, device)
+    if loss_kernel is not None:
+        objective.compile(loss_kernel=loss_kernel)
+    if group.is_main:
+        compiled = (
+            f"torch.compile of the draft's dense blocks, soft-CE rows by the {loss_kernel} kernel"
+            if loss_kernel is not None
+            else "eager (nothing compiled)"
+        )
+        events.record(PHASE, DECISION, f"training.compile={tc.compile} on {device.type}: {compiled}")
     head = head.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     module = wrap(objective, group, tc.sharding, early_sync_layer=objective.draft.midlayer)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -167,46 +318,59 @@ def run_training(
             }
         )
     meter, start_step, tokens_seen = RateMeter(), step, 0.0
-    order_epoch, batches = None, []
-    while step < total and (stop_after is None or step < stop_after):
-        epoch, index = divmod(step, steps_per_epoch)
-        if order_epoch != epoch:
-            order_epoch, batches = epoch, rank_batches(len(train_data), tc.batch_size, group, tc.seed, epoch)
-        batch = collate([train_data[i] for i in batches[index]], device, pad_multiple, objective.ttt_steps)
-        with autocast(device):
-            loss, stats, _, _ = module(batch, head)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        stats = all_reduce_sum(stats.detach().double(), group)
-        tokens_seen += float(all_reduce_sum(torch.tensor(float(batch["input_ids"].numel()), device=device), group))
-        step += 1
-        row = {"step": step, "loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0]}
-        row.update({f"top1_{k}": float(stats[k, 1] / stats[k, 2].clamp(min=1)) for k in range(len(stats))})
-        history.append(row)
-        tokens_per_s = meter.rate(tokens_seen)
-        progress(
-            ProgressUpdate(
-                phase=PHASE,
-                stage="steps",
-                done=step,
-                total=total,
-                unit="steps",
-                rate=tokens_per_s,
-                eta_s=meter.eta(step - start_step, total - start_step),
-                message=f"loss {row['loss']:.3f} top1@0 {row['top1_0']:.2f} {tokens_per_s:,.0f} tok/s",
-            )
-        )
-        if step % tc.checkpoint_every == 0 or step == total:
-            model_state, optimizer_state = gather_state(module, optimizer)
-            if group.is_main:
-                position = {"epoch": step // steps_per_epoch, "batch": step % steps_per_epoch}
-                save_state(
-                    state_dir, step, model_state, optimizer_state, scheduler, position, history, tc.keep_checkpoints
+    pending: list[tuple[int, float, torch.Tensor]] = []  # (step, lr, step_record) not yet reported
+    last_report = time.monotonic()
+
+    def report() -> None:
+        nonlocal tokens_seen, last_report
+        records = torch.stack([record for _, _, record in pending]).tolist() if pending else []  # one sync
+        for (done, lr, _), values in zip(pending, records, strict=True):
+            row, tokens = history_row(done, lr, values)
+            history.append(row)
+            tokens_seen += tokens
+            tokens_per_s = meter.rate(tokens_seen)
+            progress(
+                ProgressUpdate(
+                    phase=PHASE,
+                    stage="steps",
+                    done=done,
+                    total=total,
+                    unit="steps",
+                    rate=tokens_per_s,
+                    eta_s=meter.eta(done - start_step, total - start_step),
+                    message=f"loss {row['loss']:.3f} top1@0 {row['top1_0']:.2f} {tokens_per_s:,.0f} tok/s",
                 )
-            barrier(group)
+            )
+        pending.clear()
+        last_report = time.monotonic()
+
+    stop = total if stop_after is None else min(total, max(stop_after, step))
+    plan = step_batches(len(train_data), tc.batch_size, group, tc.seed, steps_per_epoch, step, stop)
+    with BatchPrefetcher(train_data, plan, device, pad_multiple, objective.ttt_steps) as batches:
+        while step < stop:
+            batch = batches.next()
+            with autocast(device):
+                loss, stats, _, _ = module(batch, head)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            pending.append(
+                (step, scheduler.get_last_lr()[0], step_record(loss, stats, batch["input_ids"].numel(), group))
+            )
+            if report_due(step, total, tc.checkpoint_every, time.monotonic() - last_report, report_interval_s):
+                report()
+            if step % tc.checkpoint_every == 0 or step == total:
+                model_state, optimizer_state = gather_state(module, optimizer)
+                if group.is_main:
+                    position = {"epoch": step // steps_per_epoch, "batch": step % steps_per_epoch}
+                    save_state(
+                        state_dir, step, model_state, optimizer_state, scheduler, position, history, tc.keep_checkpoints
+                    )
+                barrier(group)
+    report()
     metrics = {k: v for k, v in history[-1].items() if k != "step"} if history else {}
     for row in history:
         metrics.update({k: v for k, v in row.items() if k.startswith("initial_")})

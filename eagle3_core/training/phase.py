@@ -30,8 +30,9 @@ EXPORT_DIR = "export"
 STATE_DIR = "state"
 KEY_FILE = "key.json"
 FORMAT_VERSION = 1
-# Fields that do not change the trained weights (where it runs, how often it saves) stay out of the key.
-NOT_IN_KEY = {"device", "checkpoint_every", "keep_checkpoints"}
+# Fields that do not change the trained weights (where it runs, how often it saves, whether it is compiled)
+# stay out of the key.
+NOT_IN_KEY = {"device", "checkpoint_every", "keep_checkpoints", "compile"}
 
 
 def phase_config(config: PipelineConfig) -> dict:
@@ -125,8 +126,9 @@ def train_draft(
     head = TargetHead.from_target(target.root_path, t2d, d2t, hidden_states.last_state_normed, target_rms_eps(target))
     everything = HiddenStateDataset(hidden_states, tc.max_length)
     train_ids, val_ids = split_validation(everything.sample_ids, tc.holdout_fraction)
-    train_data = HiddenStateDataset(hidden_states, tc.max_length, train_ids)
-    val_data = HiddenStateDataset(hidden_states, tc.max_length, val_ids) if val_ids else None
+    # States as stored (bf16 / fp8): the loop copies them to its device and dequantises them there.
+    train_data = HiddenStateDataset(hidden_states, tc.max_length, train_ids, dequantize=False)
+    val_data = HiddenStateDataset(hidden_states, tc.max_length, val_ids, dequantize=False) if val_ids else None
     if group.is_main:
         events.record(
             PHASE,

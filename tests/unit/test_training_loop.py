@@ -12,7 +12,17 @@ import torch
 from eagle3_core.config import TrainingConfig
 from eagle3_core.events import RESUME, RunEvents
 from eagle3_core.training.distributed import Group
-from eagle3_core.training.loop import collate, lr_factor, rank_batches, run_training, split_validation
+from eagle3_core.training.loop import (
+    BatchPrefetcher,
+    collate,
+    compile_plan,
+    lr_factor,
+    rank_batches,
+    report_due,
+    run_training,
+    split_validation,
+    step_batches,
+)
 from eagle3_core.training.loss import TargetHead, TTTObjective
 from eagle3_core.training.state import latest_state
 from tests.unit.test_draft import tiny_draft
@@ -126,3 +136,73 @@ def test_scored_rows_from_the_loader_equal_the_objective_own() -> None:
     objective.ttt_steps = 3
     with pytest.raises(ValueError, match="TTT steps"):
         objective(collate(items, CPU.device, 1, 2), head)
+
+
+def test_compile_plan_and_report_schedule() -> None:
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert [compile_plan(s, cuda) for s in ("auto", "on", "off")] == ["triton", "triton", None]
+    assert [compile_plan(s, cpu) for s in ("auto", "on", "off")] == [None, "inductor", None]
+    assert report_due(6, 8, 3, 0.0, 1.0) and report_due(8, 8, 100, 0.0, 1.0) and report_due(5, 8, 3, 1.5, 1.0)
+    assert not report_due(5, 8, 3, 0.5, 1.0)
+
+
+def test_compile_setting_stays_out_of_the_cache_key() -> None:
+    from eagle3_core.config import PipelineConfig
+    from eagle3_core.training.phase import phase_config
+
+    keys = [phase_config(PipelineConfig(training={"compile": c})) for c in ("auto", "on", "off")]
+    assert keys[0] == keys[1] == keys[2]
+
+
+def inline_batches(data, tc: TrainingConfig, group: Group, start: int, stop: int, pad: int, steps: int) -> list:
+    """The loop's batches as it made them before the prefetcher: inline, one step at a time."""
+    steps_per_epoch = len(rank_batches(len(data), tc.batch_size, group, tc.seed, 0))
+    order_epoch, batches, out = None, [], []
+    for step in range(start, stop):
+        epoch, index = divmod(step, steps_per_epoch)
+        if order_epoch != epoch:
+            order_epoch, batches = epoch, rank_batches(len(data), tc.batch_size, group, tc.seed, epoch)
+        out.append(collate([data[i] for i in batches[index]], group.device, pad, steps))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_prefetched_batches_equal_the_inline_ones_from_any_start(tmp_path: Path, dtype: str) -> None:
+    """Same batches, same order, same values (fp8/bf16 states dequantised after the copy instead of when
+    read), from step 0 and from a resume position mid-epoch."""
+    from eagle3_core.extraction.reader import HiddenStateDataset
+    from tests.unit.test_extraction_reader import make_set
+
+    hidden = make_set(tmp_path, [5, 9, 3, 7, 4, 6, 8], dtype=dtype)
+    before = HiddenStateDataset(hidden, 12)  # float32 items, as the loop read them before
+    stored = HiddenStateDataset(hidden, 12, dequantize=False)
+    assert stored[0]["aux"].dtype == (torch.bfloat16 if dtype == "bf16" else torch.float8_e4m3fn)
+    tc = TrainingConfig(batch_size=2, seed=3)
+    steps_per_epoch = len(rank_batches(len(stored), tc.batch_size, CPU, tc.seed, 0))
+    for start in (0, steps_per_epoch + 1):  # from the beginning; resumed mid-way through epoch 1
+        stop = start + 2 * steps_per_epoch
+        expected = inline_batches(before, tc, CPU, start, stop, 4, 2)
+        plan = step_batches(len(stored), tc.batch_size, CPU, tc.seed, steps_per_epoch, start, stop)
+        with BatchPrefetcher(stored, plan, CPU.device, 4, 2) as prefetcher:
+            got = [prefetcher.next() for _ in range(stop - start)]
+        for a, b in zip(expected, got, strict=True):
+            assert a.keys() == b.keys()
+            assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def test_history_is_the_same_whatever_the_report_interval(tmp_path: Path) -> None:
+    """Rows made in batches at each report (one host sync) equal rows made every step."""
+    data = synthetic_data(6)
+    histories, messages = [], []
+    for interval in (0.0, 1e9):
+        objective, head = setup()
+        updates = []
+        tc = config()
+        state_dir = tmp_path / str(interval)
+        run_training(
+            objective, head, data, None, tc, state_dir, CPU, RunEvents(tmp_path), updates.append, None, interval
+        )
+        histories.append(torch.load(latest_state(state_dir), weights_only=False)["history"])
+        messages.append([(u.done, u.message.split(" tok/s")[0].rsplit(" ", 1)[0]) for u in updates])
+    assert histories[0] == histories[1] and len(histories[0]) == 8
+    assert messages[0] == messages[1] and [done for done, _ in messages[0]] == list(range(1, 9))
