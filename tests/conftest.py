@@ -1,10 +1,12 @@
-"""Shared fixtures: the real embedded target (converted once per machine) and tiny random targets."""
+"""Shared fixtures: the real embedded target (converted once per machine), tiny random targets, and a
+throwaway Prefect API (a temporary database and server) per test module."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from prefect.testing.utilities import prefect_test_harness
 
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import TargetConfig
@@ -31,3 +33,9 @@ def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory, smollm2_target: Targ
     """A randomly initialised DeepSeek-V3-shaped target (MLA, MoE): the seeds' Kimi-K2.5 at test size."""
     out = build_tiny_target(tmp_path_factory.mktemp("tiny") / "dsv3", smollm2_target.root_path, "deepseek_v3")
     return describe_folder(Path(out), "tiny-deepseek-v3", "local")
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -18,7 +18,6 @@ import psutil
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect.testing.utilities import prefect_test_harness
 
 from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
@@ -40,12 +39,6 @@ SMALL = {
     "extraction": {"samples_per_shard": 4, "concurrency": 4},
     "orchestration": {"retries": 1, "retry_delay_s": 1},
 }  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 @pytest.fixture(scope="module")

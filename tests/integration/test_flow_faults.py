@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-from prefect.testing.utilities import prefect_test_harness
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RESUME, WEIGHT_LOAD, RunEvents
@@ -43,12 +42,6 @@ SMALL = {
                    "with_vllm": False},
     "orchestration": {"retries": 1, "retry_delay_s": 1},
 }  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 @pytest.fixture(scope="module")

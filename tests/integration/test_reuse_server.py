@@ -21,7 +21,6 @@ import pytest
 import torch
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-from prefect.testing.utilities import prefect_test_harness
 
 from eagle3_core.artifacts import HiddenStateSet
 from eagle3_core.config import PipelineConfig
@@ -41,12 +40,6 @@ SMALL = {
     "extraction": {"samples_per_shard": 2, "concurrency": 4},
     "orchestration": {"retries": 0},
 }
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def make_config(run_dir: Path, reuse: str, prompts: int = PROMPTS) -> PipelineConfig:

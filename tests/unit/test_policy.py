@@ -17,7 +17,6 @@ import pytest
 from prefect import flow, task
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
-from prefect.testing.utilities import prefect_test_harness
 
 from eagle3_core.artifacts import FileRecord, Manifest, TargetModel
 from eagle3_core.config import PipelineConfig
@@ -42,12 +41,7 @@ from tasks.target import prepare_target_task
 from tasks.training import POLICY as TRAINING_POLICY
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def prefect_api():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+pytestmark = pytest.mark.usefixtures("prefect_api")
 
 
 @pytest.fixture
