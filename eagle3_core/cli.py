@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, TypeVar
 
@@ -45,6 +47,25 @@ def load_upstream(kind: type[ManifestT], folder: Path, made_by: str) -> Manifest
     except ArtifactInvalid as exc:
         console.print(f"[red]error:[/red] {exc}: run `eagle3 {made_by}` again")
         raise typer.Exit(2) from None
+
+
+@contextmanager
+def phase_failures() -> Iterator[None]:
+    """End the command with the message of a failure the user can act on (a setting that does not fit the
+    target, a dead or unreachable engine, a failed preflight, a full disk, a bad prompt file, a bad shard),
+    not a traceback; the work already on
+    disk is kept and the same command resumes after it."""
+    from eagle3_core.extraction.storage import ShardError
+    from eagle3_core.files import DiskFullError
+    from eagle3_core.preflight import PreflightError
+    from eagle3_core.prompts import PromptFileError
+    from eagle3_core.serving import ServerError
+
+    try:
+        yield
+    except (ConfigError, PromptFileError, ServerError, PreflightError, DiskFullError, ShardError) as exc:
+        console.print(f"error: {exc}", highlight=False, markup=False, style="red")
+        raise typer.Exit(1) from None
 
 
 @app.callback()
@@ -142,7 +163,7 @@ def extract_command(
     events = run_events(cfg)
     sample_set = load_upstream(SampleSet, samples or cfg.run_dir / "samples", "sample")
     target = prepare_target(cfg.target, events)
-    with rich_progress() as progress:
+    with phase_failures(), rich_progress() as progress:
         hidden = extract_hidden_states(cfg, sample_set, target, events, progress=progress)
     console.print(hidden.model_dump_json(indent=2, exclude={"files"}), highlight=False, markup=False)
 
@@ -192,21 +213,15 @@ def sample_command(config: ConfigOption = None, set_: SetOption = None) -> None:
     """Sample the target's answers to the prompts (starting and stopping a vLLM server, or using
     server.url); resumes by prompt id. Writes <run_dir>/samples/ and prints the accounting."""
     from eagle3_core.progress import rich_progress
-    from eagle3_core.prompts import PromptFileError
-    from eagle3_core.sampling import SamplingAborted, sample_prompts
-    from eagle3_core.serving import ServerError
+    from eagle3_core.sampling import sample_prompts
     from eagle3_core.target import prepare_target
 
     cfg = resolve_config(config, set_)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one log line per request otherwise
     events = run_events(cfg)
     target = prepare_target(cfg.target, events)
-    try:
-        with rich_progress() as progress:
-            sample_set = sample_prompts(cfg, target, events, progress=progress)
-    except (PromptFileError, ServerError, SamplingAborted) as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False, markup=False)
-        raise typer.Exit(1) from None
+    with phase_failures(), rich_progress() as progress:
+        sample_set = sample_prompts(cfg, target, events, progress=progress)
     console.print(
         f"{sample_set.prompts} prompts: {sample_set.ok} ok, {sample_set.error} errors, {sample_set.skipped} "
         f"skipped; {sample_set.tokens} tokens ({sample_set.loss_tokens} trained); {sample_set.root}",
@@ -256,7 +271,7 @@ def train_command(config: ConfigOption = None, set_: SetOption = None) -> None:
     hidden = load_upstream(HiddenStateSet, cfg.run_dir / "hidden_states", "extract")
     vocab_map = load_upstream(VocabMap, cfg.run_dir / "vocab", "vocab")
     target = prepare_target(cfg.target, events)
-    with rich_progress() as progress:
+    with phase_failures(), rich_progress() as progress:
         checkpoint = train_draft(cfg, hidden, vocab_map, target, events, progress=progress)
     metrics = {k: round(v, 4) for k, v in checkpoint.metrics.items() if k.startswith(("val_", "initial_val_top1"))}
     console.print(f"trained {checkpoint.step} steps; {metrics}; {checkpoint.path_of('export')}", highlight=False)

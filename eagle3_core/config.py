@@ -4,6 +4,7 @@ renders the tree as a form and a typo fails before any weight is loaded."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,6 +14,8 @@ from pydantic_core import PydanticCustomError
 
 SECRET_KEY_VARIABLE = "EAGLE3_API_KEY"
 SECRET_REFUSED = "secret_refused"  # a validation error whose input must not be echoed
+# `--api-key KEY`, `--api-key=KEY`, or inside a YAML list `[--api-key, KEY]`: group 1 is all but the key.
+API_KEY_ARGUMENT = re.compile(r"(--api-key(?:=|[\s,]+))[^\s,\]}]+")
 
 
 class ConfigError(ValueError):
@@ -276,15 +279,22 @@ def _error_message(exc: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+def redact_api_keys(text: str) -> str:
+    """`--api-key sk-...` / `--api-key=sk-...` with the key replaced: error messages quote overrides."""
+    return API_KEY_ARGUMENT.sub(r"\1<redacted>", text)
+
+
 def parse_override(override: str) -> tuple[list[str], Any]:
     """`training.lr=3e-4` -> (["training", "lr"], 3e-4); the value is read as YAML."""
     key, sep, raw = override.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"override {override!r} is not of the form section.field=value")
+        raise ConfigError(f"override {redact_api_keys(override)!r} is not of the form section.field=value")
     try:
         return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {override!r}: the value is not valid YAML: {exc}") from None
+        raise ConfigError(
+            f"override {redact_api_keys(override)!r}: the value is not valid YAML: {redact_api_keys(str(exc))}"
+        ) from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -296,7 +306,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         for key in path[:-1]:
             child = node.setdefault(key, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"override {override!r}: {key} is not a section")
+                raise ConfigError(f"override {redact_api_keys(override)!r}: {key} is not a section")
             node = child
         node[path[-1]] = value
     return merged
@@ -320,7 +330,7 @@ def load_config(path: Path | str | None = None, overrides: list[str] | None = No
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     if overrides:
-        source += " with --set " + " ".join(overrides)
+        source += " with --set " + redact_api_keys(" ".join(overrides))
         data = apply_overrides(data, overrides)
     try:
         return PipelineConfig.model_validate(data)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_core.artifacts import ArtifactInvalid, FileRecord, HiddenStateSet, SampleSet, TargetModel
-from eagle3_core.config import ExtractionConfig, PipelineConfig
+from eagle3_core.config import ConfigError, ExtractionConfig, PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
 from eagle3_core.extraction.reader import INDEX_FILE
 from eagle3_core.extraction.storage import (
@@ -41,8 +41,13 @@ DONE_SUFFIX = ".done.json"
 
 
 def resolve_layer_ids(config: PipelineConfig, target: TargetModel) -> list[int]:
+    """The configured aux layer ids, or the default for the target's depth; ids that do not fit the target
+    fail here, before any weight load, naming the field."""
     layer_ids = list(config.extraction.layer_ids or default_aux_layer_ids(target.num_layers))
-    check_layer_ids(layer_ids, target.num_layers)
+    try:
+        check_layer_ids(layer_ids, target.num_layers)
+    except ValueError as exc:
+        raise ConfigError(f"extraction.layer_ids: {exc}") from None
     return layer_ids
 
 

@@ -53,3 +53,14 @@ def test_a_key_in_extra_args_is_refused_without_echoing_it(tmp_path, args):
         load_config(path)
     assert "server.extra_args" in str(error.value) and "server.api_key_env" in str(error.value)
     assert KEY not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "override", [f"server.extra_args=[--api-key, {KEY}]", f"server.extra_args=[--api-key={KEY}]", f"x=[--api-key {KEY}"]
+)
+def test_an_override_carrying_a_key_is_refused_without_echoing_it(override):
+    """The error quotes the override (so the user sees which one failed), with the key itself redacted."""
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    assert "--api-key" in str(error.value) and "<redacted>" in str(error.value)
+    assert KEY not in str(error.value)
