@@ -16,18 +16,15 @@ The choice is recorded with these numbers as one DECISION line in events.jsonl.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-import pyarrow.parquet as pq
 
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import ConfigError, PipelineConfig
 from eagle3_core.events import DECISION, WEIGHT_LOAD, RunEvents
 from eagle3_core.prompts import load_prompts
-from eagle3_core.sample_store import KEY_FILE, PART_GLOB, row_key, run_key
+from eagle3_core.sample_store import ok_ids, run_key
 
 PHASE = "sampling"
 SAMPLES_DIR = "samples"
@@ -84,14 +81,7 @@ def weights_bytes(model_dir: Path) -> int:
 def pending_prompts(config: PipelineConfig, target: TargetModel) -> int:
     """Prompts without an ok row in `<run_dir>/samples` made with the same target and parameters."""
     prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
-    out_dir = Path(config.run_dir) / SAMPLES_DIR
-    key_path = out_dir / KEY_FILE
-    if not key_path.exists() or json.loads(key_path.read_text()) != row_key(run_key(config, target, prompts)):
-        return len(prompts)
-    ok: set[str] = set()
-    for part in out_dir.glob(PART_GLOB):
-        table = pq.read_table(part, columns=["id", "status"]).to_pydict()
-        ok.update(i for i, status in zip(table["id"], table["status"], strict=True) if status == "ok")
+    ok = ok_ids(Path(config.run_dir) / SAMPLES_DIR, run_key(config, target, prompts))
     return sum(p.id not in ok for p in prompts)
 
 

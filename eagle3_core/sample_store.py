@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
 from eagle3_core.artifacts import ArtifactInvalid, SampleSet, TargetModel, record_files
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
@@ -61,6 +63,19 @@ def cached_sample_set(out_dir: Path, key: dict[str, Any], events: RunEvents, pha
         return None
     events.record(phase, CACHE_HIT, f"{sample_set.ok} samples at {out_dir} reused", digest=sample_set.digest)
     return sample_set
+
+
+def ok_ids(out_dir: Path, key: dict[str, Any]) -> set[str]:
+    """Ids of the ok rows already in `out_dir` for this run key (none when its rows were made with another
+    target or other parameters); reads only the id and status columns, changes nothing."""
+    key_path = out_dir / KEY_FILE
+    if not key_path.exists() or json.loads(key_path.read_text()) != row_key(key):
+        return set()
+    ok: set[str] = set()
+    for part in out_dir.glob(PART_GLOB):
+        table = pq.read_table(part, columns=["id", "status"]).to_pydict()
+        ok.update(i for i, status in zip(table["id"], table["status"], strict=True) if status == "ok")
+    return ok
 
 
 def prepare_sample_dir(out_dir: Path, key: dict[str, Any], wanted: set[str], events: RunEvents, phase: str) -> set[str]:

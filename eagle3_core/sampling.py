@@ -35,15 +35,10 @@ from eagle3_core.sample_store import (
     prepare_sample_dir,
     run_key,
 )
-from eagle3_core.serving import EngineDied, ExternalServer, VllmServer, open_server
+from eagle3_core.serving import ENGINE_EXIT_WAIT_S, EngineDied, EngineExit, ExternalServer, VllmServer, open_server
 from eagle3_core.shared_server import SharedServer, running_server
 
 PHASE = "sampling"
-# How long a request that failed for good waits for a dying engine's process to end (vLLM answers 5xx for a
-# moment after its engine core died, then exits) before the failure is blamed on the request.
-ENGINE_EXIT_WAIT_S = 10.0
-
-EngineExit = Callable[[float], str | None]
 
 
 def engine_running(wait_s: float = 0) -> str | None:

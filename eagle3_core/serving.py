@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -66,6 +67,13 @@ class PortInUseError(ServerError):
 class EngineDied(ServerError):
     """The engine died in the middle of a phase (its process exited). Transient: a retry of the phase starts
     a new engine and resumes after the work already kept. The message says how it ended and its log's tail."""
+
+
+# How long a request that failed for good waits for a dying engine's process to end (vLLM answers 5xx for a
+# moment after its engine core died, then exits) before the failure is blamed on the request or shard.
+ENGINE_EXIT_WAIT_S = 10.0
+# `exit_report(wait_s)` of a server: None while its engine runs, else how it ended.
+EngineExit = Callable[[float], str | None]
 
 
 @dataclass(frozen=True)

@@ -33,16 +33,11 @@ from eagle3_core.extraction.connector import CONNECTOR_NAME, EXTRACT_REQUEST
 from eagle3_core.extraction.phase import OUT_DIR, resolve_layer_ids
 from eagle3_core.extraction.storage import SampleStates, ShardError
 from eagle3_core.progress import ProgressCallback
-from eagle3_core.serving import EngineDied
+from eagle3_core.serving import ENGINE_EXIT_WAIT_S, EngineDied, EngineExit
 from eagle3_core.shared_server import CONTEXT_MARGIN, SharedServer, running_server
 
 PHASE = "extraction"
 INCOMING_DIR = "incoming"
-# How long a failed shard waits for a dying engine's process to end (vLLM answers 5xx for a moment after
-# its engine core died, then exits) before the failure is blamed on the shard.
-ENGINE_EXIT_WAIT_S = 10.0
-
-EngineExit = Callable[[float], str | None]
 
 
 class ServerAnswerError(ShardError):
