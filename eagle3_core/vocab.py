@@ -18,7 +18,7 @@ from eagle3_core.artifacts import ArtifactInvalid, SampleSet, TargetModel, Vocab
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.files import atomic_path
-from eagle3_core.sample_table import is_heldout, iter_rows
+from eagle3_core.sampling.table import is_heldout, iter_rows
 
 PHASE = "vocab"
 OUT_DIR = "vocab"

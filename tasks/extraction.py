@@ -10,7 +10,7 @@ from eagle3_core.artifacts import HiddenStateSet, SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.faults import faulting_progress
-from eagle3_core.shared_server import SharedServer
+from eagle3_core.serving.shared import SharedServer
 from tasks.gpu import phase_slot
 from tasks.policy import SERVER_OPERATIONAL, PhaseCachePolicy, phase_task_options, run_phase
 from tasks.progress import PrefectProgress

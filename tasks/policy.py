@@ -29,7 +29,7 @@ from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.faults import InjectedFault, check_fault
 from eagle3_core.files import DiskFullError, sha256_json
 from eagle3_core.preflight import PreflightError
-from eagle3_core.serving import EngineDied
+from eagle3_core.serving.engine import EngineDied
 from tasks.secrets import export_api_key
 
 ExtraContent = Callable[[PipelineConfig], Any]

@@ -11,8 +11,8 @@ from prefect.testing.utilities import prefect_test_harness
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import TargetConfig
 from eagle3_core.events import RunEvents
-from eagle3_core.models import build_tiny_target
-from eagle3_core.target import describe_folder, prepare_target
+from eagle3_core.target.models import build_tiny_target
+from eagle3_core.target.prepare import describe_folder, prepare_target
 
 
 @pytest.fixture(scope="session")

@@ -160,7 +160,7 @@ def load_models(config: PipelineConfig, target: TargetModel, draft_dir: Path, ev
     """The target (a full weight load, recorded), its tokenizer, and the exported draft on one device."""
     from transformers import AutoTokenizer
 
-    from eagle3_core.draft import Eagle3Draft
+    from eagle3_core.draft.model import Eagle3Draft
     from eagle3_core.evaluation.speculative import load_target, resolve_device
 
     device = resolve_device(config.evaluation.device)

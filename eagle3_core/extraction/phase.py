@@ -29,10 +29,10 @@ from eagle3_core.extraction.storage import (
     shard_name,
 )
 from eagle3_core.files import sha256_json, write_text_atomic
-from eagle3_core.models import check_layer_ids, default_aux_layer_ids
 from eagle3_core.preflight import preflight_extraction
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
-from eagle3_core.sample_table import is_heldout, iter_rows
+from eagle3_core.sampling.table import is_heldout, iter_rows
+from eagle3_core.target.models import check_layer_ids, default_aux_layer_ids
 
 PHASE = "extraction"
 OUT_DIR = "hidden_states"

@@ -24,7 +24,7 @@ from eagle3_core.config import TrainingConfig
 from eagle3_core.events import DECISION, RESUME, RunEvents
 from eagle3_core.extraction.storage import dequantize_states
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
-from eagle3_core.sample_table import is_heldout
+from eagle3_core.sampling.table import is_heldout
 from eagle3_core.training.distributed import Group, all_reduce_sum, barrier, wrap
 from eagle3_core.training.loss import (
     TargetHead,

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eagle3_core.draft import Eagle3Draft
+from eagle3_core.draft.model import Eagle3Draft
 
 LOSS_CHUNK_ROWS = 4096
 RowsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -185,7 +185,7 @@ class TargetHead:
     def from_target(
         cls, target_dir: Path | str, t2d: torch.Tensor, d2t: torch.Tensor, last_state_normed: bool, eps: float
     ) -> TargetHead:
-        from eagle3_core.models import load_target_tensors
+        from eagle3_core.target.models import load_target_tensors
 
         tensors = load_target_tensors(target_dir, ["norm", "lm_head"])
         norm = None if last_state_normed else tensors["norm"]

@@ -13,9 +13,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap, record_files
 from eagle3_core.config import PipelineConfig
-from eagle3_core.draft import DraftConfig, Eagle3Draft
+from eagle3_core.draft.export import export_draft
+from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
-from eagle3_core.export import export_draft
 from eagle3_core.files import sha256_json, write_text_atomic
 from eagle3_core.preflight import preflight_training
 from eagle3_core.progress import ProgressCallback, ignore_progress

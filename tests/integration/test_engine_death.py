@@ -25,7 +25,7 @@ from eagle3_core.events import DECISION, ENGINE_START, RESUME, WEIGHT_LOAD, RunE
 from eagle3_core.extraction.phase import DONE_SUFFIX, OUT_DIR, training_rows
 from eagle3_core.extraction.storage import shard_name
 from eagle3_core.faults import ENV
-from eagle3_core.sample_table import read_part
+from eagle3_core.sampling.table import read_part
 from tasks.extraction import extract_hidden_states_task
 from tasks.policy import configured
 from tasks.sampling import sample_prompts_task

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 from eagle3_core.artifacts import ArtifactInvalid, SampleSet, record_files
 from eagle3_core.config import ConfigError, PipelineConfig, dump_config, load_config
 from eagle3_core.events import DECISION, RunEvents
-from eagle3_core.prompts import ROLES, PromptFileError, load_prompts
-from eagle3_core.sample_store import cached_sample_set
-from eagle3_core.sample_table import write_part
-from eagle3_core.sampling import sample_prompts
+from eagle3_core.sampling.phase import sample_prompts
+from eagle3_core.sampling.prompts import ROLES, PromptFileError, load_prompts
+from eagle3_core.sampling.store import cached_sample_set
+from eagle3_core.sampling.table import write_part
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

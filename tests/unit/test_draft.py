@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3_core.draft import DraftConfig, DraftKVCache, Eagle3Draft
+from eagle3_core.draft.model import DraftConfig, DraftKVCache, Eagle3Draft
 from eagle3_core.training.attention import (
     TTTAttention,
     document_causal_mask,

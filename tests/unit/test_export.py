@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_core.draft import DraftKVCache, Eagle3Draft
-from eagle3_core.export import check_checkpoint, checkpoint_tensors, export_draft
+from eagle3_core.draft.export import check_checkpoint, checkpoint_tensors, export_draft
+from eagle3_core.draft.model import DraftKVCache, Eagle3Draft
 from tests.unit.test_draft import tiny_draft
 
 

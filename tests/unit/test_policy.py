@@ -24,7 +24,7 @@ from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.extraction.storage import ShardError
 from eagle3_core.faults import ENV, InjectedFault, check_fault, faulting_progress
 from eagle3_core.progress import ProgressUpdate
-from eagle3_core.serving import EngineDied
+from eagle3_core.serving.engine import EngineDied
 from tasks.gpu import ensure_concurrency_limit
 from tasks.policy import (
     PhaseCachePolicy,

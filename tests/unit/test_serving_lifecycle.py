@@ -16,10 +16,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eagle3_core import server_processes, serving
 from eagle3_core.config import ServerConfig
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.progress import ProgressUpdate
+from eagle3_core.serving import engine as serving
+from eagle3_core.serving import processes as server_processes
 
 FAKE_SERVER = textwrap.dedent(
     """

@@ -1,11 +1,12 @@
-"""Pure parts of eagle3_core.serving: the command, log parsing, the log tail, GPU-release waiting."""
+"""Pure parts of eagle3_core.serving.engine: the command, log parsing, the log tail, GPU-release waiting."""
 
 from __future__ import annotations
 
 import pytest
 
-from eagle3_core import server_processes, serving
 from eagle3_core.config import ServerConfig
+from eagle3_core.serving import engine as serving
+from eagle3_core.serving import processes as server_processes
 
 WORKER = "(Worker_TP0 pid=340648) "
 

@@ -15,8 +15,8 @@ from vllm import SamplingParams
 from eagle3_core.config import ConfigError, PipelineConfig
 from eagle3_core.events import DECISION, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction.connector import EXTRACT_REQUEST, HiddenStatesConnector, wants_hidden_states
-from eagle3_core.prompts import load_prompts
-from eagle3_core.reuse_decision import (
+from eagle3_core.sampling.prompts import load_prompts
+from eagle3_core.sampling.reuse_decision import (
     estimate_reuse,
     last_engine_start_s,
     last_seconds_per_prompt,
@@ -25,8 +25,8 @@ from eagle3_core.reuse_decision import (
     reuse_saves_time,
     sampling_slowdown_s,
 )
-from eagle3_core.sample_store import PartWriter, prepare_sample_dir, run_key
-from eagle3_core.shared_server import SharedServer, running_server
+from eagle3_core.sampling.store import PartWriter, prepare_sample_dir, run_key
+from eagle3_core.serving.shared import SharedServer, running_server
 from tasks.shared_server import sampling_and_extraction_server
 
 # --- the connector writes states only for requests that ask ------------------------------------------

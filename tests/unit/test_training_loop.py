@@ -112,7 +112,7 @@ def test_schedule_and_batches() -> None:
 
 
 def test_validation_split_is_salted_against_the_evaluation_holdout() -> None:
-    from eagle3_core.sample_table import is_heldout
+    from eagle3_core.sampling.table import is_heldout
 
     ids = [f"p{i}" for i in range(2000)]
     extracted = [s for s in ids if not is_heldout(s, 0.1)]  # what extraction keeps

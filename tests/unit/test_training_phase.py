@@ -11,7 +11,7 @@ from extraction_fixtures import build_sample_set
 from safetensors.torch import load_file
 
 from eagle3_core.config import PipelineConfig
-from eagle3_core.draft import DraftKVCache, Eagle3Draft
+from eagle3_core.draft.model import DraftKVCache, Eagle3Draft
 from eagle3_core.events import CACHE_HIT, RunEvents
 from eagle3_core.extraction import extract_hidden_states
 from eagle3_core.training import train_draft

@@ -11,7 +11,7 @@ import torch
 from eagle3_core.artifacts import SampleSet, TargetModel, record_files
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, RunEvents
-from eagle3_core.sample_table import is_heldout, write_part
+from eagle3_core.sampling.table import is_heldout, write_part
 from eagle3_core.vocab import (
     StaleVocabMap,
     build_vocab_map,

@@ -21,8 +21,8 @@ from eagle3_core.artifacts import ArtifactInvalid, SampleSet, TargetModel, recor
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
 from eagle3_core.files import sha256_json, write_text_atomic
-from eagle3_core.prompts import Prompt
-from eagle3_core.sample_table import read_part, write_part
+from eagle3_core.sampling.prompts import Prompt
+from eagle3_core.sampling.table import read_part, write_part
 
 FORMAT_VERSION = 1
 KEY_FILE = "run_key.json"

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagle3_core.draft import DraftConfig, Eagle3Draft
+from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_core.files import atomic_path, write_text_atomic
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"

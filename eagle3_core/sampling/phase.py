@@ -22,21 +22,28 @@ from typing import Any
 import httpx
 
 from eagle3_core.artifacts import SampleSet, TargetModel
-from eagle3_core.chat_tokens import ChatTokenizer, split_reasoning
 from eagle3_core.config import PipelineConfig, SamplingConfig
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.preflight import preflight_sampling
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
-from eagle3_core.prompts import Prompt, load_prompts
-from eagle3_core.sample_store import (
+from eagle3_core.sampling.chat_tokens import ChatTokenizer, split_reasoning
+from eagle3_core.sampling.prompts import Prompt, load_prompts
+from eagle3_core.sampling.store import (
     PartWriter,
     cached_sample_set,
     finish_sample_set,
     prepare_sample_dir,
     run_key,
 )
-from eagle3_core.serving import ENGINE_EXIT_WAIT_S, EngineDied, EngineExit, ExternalServer, VllmServer, open_server
-from eagle3_core.shared_server import SharedServer, running_server
+from eagle3_core.serving.engine import (
+    ENGINE_EXIT_WAIT_S,
+    EngineDied,
+    EngineExit,
+    ExternalServer,
+    VllmServer,
+    open_server,
+)
+from eagle3_core.serving.shared import SharedServer, running_server
 
 PHASE = "sampling"
 

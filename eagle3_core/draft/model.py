@@ -428,7 +428,7 @@ class Eagle3Draft(nn.Module):
     ) -> Eagle3Draft:
         """A fresh draft: embeddings frozen from the target, lm_head = the target's rows selected by t2d
         and the final norm = the target's, so the untrained head already speaks the target's language."""
-        from eagle3_core.models import load_target_tensors
+        from eagle3_core.target.models import load_target_tensors
 
         tensors = load_target_tensors(target_dir, ["embed_tokens", "norm", "lm_head"])
         draft = cls(config)
@@ -441,11 +441,11 @@ class Eagle3Draft(nn.Module):
 
     @classmethod
     def from_exported(cls, path: Path | str, target_dir: Path | str | None = None) -> Eagle3Draft:
-        """Load a folder written by `eagle3_core.export.export_draft`; the embeddings come from the
+        """Load a folder written by `eagle3_core.draft.export.export_draft`; the embeddings come from the
         target (`target_dir`) unless the folder holds them."""
         from safetensors.torch import load_file
 
-        from eagle3_core.export import config_from_hf
+        from eagle3_core.draft.export import config_from_hf
 
         path = Path(path)
         draft = cls(config_from_hf(json.loads((path / "config.json").read_text())))
@@ -454,7 +454,7 @@ class Eagle3Draft(nn.Module):
         if embeddings is None:
             if target_dir is None:
                 raise ValueError(f"{path}: no embed_tokens in the export; pass the target's folder")
-            from eagle3_core.models import load_target_tensors
+            from eagle3_core.target.models import load_target_tensors
 
             embeddings = load_target_tensors(target_dir, ["embed_tokens"])["embed_tokens"]
         missing, unexpected = draft.load_state_dict(weights, strict=False)

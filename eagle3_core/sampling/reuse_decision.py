@@ -23,8 +23,8 @@ from typing import Any
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import ConfigError, PipelineConfig
 from eagle3_core.events import DECISION, WEIGHT_LOAD, RunEvents
-from eagle3_core.prompts import load_prompts
-from eagle3_core.sample_store import ok_ids, run_key
+from eagle3_core.sampling.prompts import load_prompts
+from eagle3_core.sampling.store import ok_ids, run_key
 
 PHASE = "sampling"
 SAMPLES_DIR = "samples"

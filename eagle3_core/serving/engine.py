@@ -30,7 +30,7 @@ from eagle3_core.config import ServerConfig
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.files import write_text_atomic
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
-from eagle3_core.server_processes import (
+from eagle3_core.serving.processes import (
     POLL_S,
     ServerError,
     has_cuda_gpus,
