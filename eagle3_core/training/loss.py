@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from eagle3_core.draft.model import Eagle3Draft
+from eagle3_core.training.attention import TTTAttention
 
 LOSS_CHUNK_ROWS = 4096
 RowsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -250,13 +251,13 @@ class TTTObjective(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor], head: TargetHead, exact_top1: bool = False):
         """batch: `collate`'s tensors, with `valid` / `scored` (`scored_rows`) when the loader made them."""
+        attend = TTTAttention.for_documents(batch["document_ids"], self.attention)
         states = self.draft(
             batch["aux"],
             batch["input_ids"],
             batch["position_ids"],
-            batch["document_ids"],
+            attend,
             self.ttt_steps,
-            self.attention,
         )  # K x [B, T, H]
         target_logits = head.logits(batch["last"])  # [B, T, Vd], once per batch, shared by every step
         target_top1 = head.full_top1(batch["last"]) if exact_top1 else head.draft_to_target(target_logits.argmax(-1))

@@ -18,7 +18,7 @@ from eagle3_core.training.loss import (
     fused_soft_cross_entropy,
     step_valid,
 )
-from tests.unit.test_draft import random_batch, tiny_draft
+from tests.unit.test_draft import random_batch, tiny_draft, unroll
 
 
 def test_fused_soft_cross_entropy_matches_autograd() -> None:
@@ -77,7 +77,7 @@ def test_objective_scores_each_step_against_the_shifted_target_row() -> None:
     loss, stats, _, valid = objective(batch, head)
     loss.backward()
     assert draft.fc.weight.grad is not None and draft.embed_tokens.weight.grad is None
-    states = draft(aux, input_ids, position_ids, document_ids, 3)
+    states = unroll(draft, aux, input_ids, position_ids, document_ids, 3)
     target_logits = last @ head.weight.T
     want = 0.0
     for step in range(3):
