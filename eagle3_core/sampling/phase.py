@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,13 +27,7 @@ from eagle3_core.preflight import preflight_sampling
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.sampling.chat_tokens import ChatTokenizer, split_reasoning
 from eagle3_core.sampling.prompts import Prompt, load_prompts
-from eagle3_core.sampling.store import (
-    PartWriter,
-    cached_sample_set,
-    finish_sample_set,
-    prepare_sample_dir,
-    run_key,
-)
+from eagle3_core.sampling.store import PartWriter, SampleStore
 from eagle3_core.serving.engine import (
     ENGINE_EXIT_WAIT_S,
     EngineDied,
@@ -265,16 +258,15 @@ def sample_prompts(
 ) -> SampleSet:
     """Sample every prompt once, resuming from rows already written; see the module docstring. A
     SharedServer is started only when there is something to sample."""
-    out_dir = Path(config.run_dir) / "samples"
     prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
-    key = run_key(config, target, prompts)
-    if cached := cached_sample_set(out_dir, key, events, PHASE):
+    store = SampleStore.of_run(config, target, prompts, events)
+    if cached := store.cached():
         return cached
-    kept = prepare_sample_dir(out_dir, key, {p.id for p in prompts}, events, PHASE)
+    kept = store.resume({p.id for p in prompts})
     work = [(i, p) for i, p in enumerate(prompts) if p.id not in kept]
     if work:
-        preflight_sampling(config, target, out_dir, len(work), server is None, events)
-        writer = PartWriter(out_dir, config.sampling.rows_per_part)
+        preflight_sampling(config, target, store.out_dir, len(work), server is None, events)
+        writer = store.writer(config.sampling.rows_per_part)
         counts = RowProgress(progress, len(kept), len(prompts))
         try:
             if server is None:
@@ -284,7 +276,7 @@ def sample_prompts(
                 sample_with(running_server(server, PHASE, progress), config, target, work, writer, counts, events)
         finally:
             writer.flush()
-    return finish_sample_set(out_dir, key, target, prompts)
+    return store.finish(target, prompts)
 
 
 def sample_with(

@@ -22,7 +22,7 @@ from eagle3_core.config import ConfigError, PipelineConfig, dump_config, load_co
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.sampling.phase import sample_prompts
 from eagle3_core.sampling.prompts import ROLES, PromptFileError, load_prompts
-from eagle3_core.sampling.store import cached_sample_set
+from eagle3_core.sampling.store import SampleStore
 from eagle3_core.sampling.table import write_part
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -249,6 +249,6 @@ def test_a_truncated_or_garbled_manifest_is_named_and_its_rows_are_kept(cut, jun
         except ArtifactInvalid as exc:
             assert str(exc).startswith(f"{path}")
             events = RunEvents(root)
-            assert cached_sample_set(root, sample_set.config, events, "sampling") is None
+            assert SampleStore(root, sample_set.config, events).cached() is None
             assert [e["event"] for e in events.read()] == [DECISION] and str(root) in events.read()[0]["message"]
         assert (root / "part-00000.parquet").read_bytes() == part_bytes

@@ -25,7 +25,7 @@ from eagle3_core.sampling.reuse_decision import (
     reuse_saves_time,
     sampling_slowdown_s,
 )
-from eagle3_core.sampling.store import PartWriter, prepare_sample_dir, run_key
+from eagle3_core.sampling.store import SampleStore
 from eagle3_core.serving.shared import SharedServer, running_server
 from tasks.shared_server import sampling_and_extraction_server
 
@@ -127,9 +127,9 @@ def test_only_prompts_without_an_ok_row_of_the_same_parameters_count_as_pending(
     config = small_config(tmp_path, "auto")
     assert pending_prompts(config, smollm2_target) == 20, "nothing sampled yet"
     prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
-    samples = config.run_dir / "samples"
-    prepare_sample_dir(samples, run_key(config, smollm2_target, prompts), set(), RunEvents(config.run_dir), "sampling")
-    writer = PartWriter(samples, rows_per_part=2)
+    store = SampleStore.of_run(config, smollm2_target, prompts, RunEvents(config.run_dir))
+    store.resume(set())
+    writer = store.writer(rows_per_part=2)
     for prompt, status in zip(prompts, ["ok", "ok", "error", "skipped"], strict=False):
         writer.add({"id": prompt.id, "messages": prompt.messages, "status": status})
     writer.flush()
