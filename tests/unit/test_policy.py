@@ -32,6 +32,7 @@ from tasks.policy import (
     is_deterministic,
     phase_task_options,
     result_storage_dir,
+    run_gpu_phase,
     run_phase,
     select_fields,
 )
@@ -319,3 +320,30 @@ def test_two_flows_never_hold_gpu_at_once(tmp_path: Path):
     assert [kind for kind, _ in lines] == ["start", "end", "start", "end"]
     assert float(lines[2][1]) >= float(lines[1][1])
     assert time.monotonic() - start >= 6
+
+
+def test_run_gpu_phase_hands_the_phase_its_events_and_progress_between_the_fault_points(tmp_path, monkeypatch):
+    config = PipelineConfig(run_dir=tmp_path)
+    calls = []
+
+    def phase(events, progress):
+        calls.append(events.path)
+        progress(ProgressUpdate(phase="sampling", stage="requests", done=3, total=9, unit="requests"))
+        return "manifest"
+
+    @task
+    def phase_task(fault: str) -> str:
+        monkeypatch.setenv(ENV, fault)
+        try:
+            # `shared`: a shared server holds the gpu slot, so none is taken here.
+            return run_gpu_phase("sampling", config, phase, shared=object())
+        except InjectedFault as exc:
+            return str(exc)
+
+    @flow
+    def phase_flow() -> list[str]:
+        return [phase_task(fault) for fault in ("", "sampling:requests=3", "sampling:start")]
+
+    done, mid_work, at_start = phase_flow()
+    assert done == "manifest" and "requests=3" in mid_work and "start" in at_start
+    assert calls == [tmp_path / "events.jsonl"] * 2, "the start fault fires before the phase runs"
