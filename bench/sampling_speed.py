@@ -54,7 +54,9 @@ def machine_info() -> str:
 
 async def concurrent_run(server: VllmServer, config: PipelineConfig, tokens: ChatTokenizer, prompts) -> tuple:
     rows: list[dict] = []
-    sampler = Sampler(server.base_url, server.api_key, config.sampling, tokens, config.server.max_model_len)
+    sampler = Sampler(
+        server.base_url, server.api_key, config.sampling, tokens, config.server.max_model_len, server.exit_report
+    )
     start = time.perf_counter()
     await sampler.run(list(enumerate(prompts)), rows.append)
     seconds = time.perf_counter() - start

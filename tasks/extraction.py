@@ -1,4 +1,4 @@
-"""Prefect task of phase 2, hidden-state extraction. Keyed on what changes the stored states (backend,
+"""Prefect task of phase 3, hidden-state extraction. Keyed on what changes the stored states (backend,
 layer ids, dtype, shard size, the held-out split, the engine's numerics), never on batch size,
 concurrency or device."""
 

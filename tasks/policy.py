@@ -54,15 +54,23 @@ SERVER_OPERATIONAL = (
 )
 
 
+def config_node(data: dict[str, Any], path: str) -> Any:
+    """The value at dotted `path` of a config dump; a path that names no field is a `ValueError`, so a
+    misspelled include or exclude path fails instead of silently keying on too much."""
+    node: Any = data
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ValueError(f"cache policy path {path!r} names no field of the configuration")
+        node = node[part]
+    return node
+
+
 def select_fields(data: dict[str, Any], include: tuple[str, ...], exclude: tuple[str, ...]) -> dict[str, Any]:
-    """The dotted paths `include` of a config dump (whole sections or single fields), minus `exclude`."""
-    selected: dict[str, Any] = {}
-    for path in include:
-        node: Any = data
-        for part in path.split("."):
-            node = node[part]
-        selected[path] = node
+    """The dotted paths `include` of a config dump (whole sections or single fields), minus `exclude`.
+    Every path must name a field of `data` (`config_node`)."""
+    selected: dict[str, Any] = {path: config_node(data, path) for path in include}
     for path in exclude:
+        config_node(data, path)
         section, _, name = path.rpartition(".")
         if isinstance(selected.get(section), dict):
             selected[section] = {k: v for k, v in selected[section].items() if k != name}

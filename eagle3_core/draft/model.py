@@ -436,8 +436,3 @@ class Eagle3Draft(nn.Module):
             draft.norm.weight.copy_(tensors["norm"].float())
         draft.set_vocab(d2t, t2d)
         return draft
-
-
-def parameter_count(draft: Eagle3Draft) -> int:
-    """Trainable parameters (embeddings excluded: they are frozen)."""
-    return sum(p.numel() for p in draft.parameters() if p.requires_grad)

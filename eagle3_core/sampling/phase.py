@@ -41,11 +41,6 @@ from eagle3_core.serving.shared import SharedServer, running_server
 PHASE = "sampling"
 
 
-def engine_running(wait_s: float = 0) -> str | None:
-    """The engine check of a server whose death cannot be observed: never reports one."""
-    return None
-
-
 class SamplingAborted(EngineDied):
     """The server died or stopped answering; rows already completed are written, a re-run resumes after them."""
 
@@ -70,7 +65,7 @@ async def post_with_retry(
     body: dict[str, Any],
     retries: int,
     backoff_s: float,
-    engine_exit: EngineExit = engine_running,
+    engine_exit: EngineExit,
 ) -> dict[str, Any]:
     """POST and return the JSON answer. Connection errors, timeouts and 5xx are retried `retries` times
     with doubling delays, unless `engine_exit` reports the engine dead (then `SamplingAborted` at once);
@@ -144,7 +139,7 @@ class Sampler:
         config: SamplingConfig,
         tokens: ChatTokenizer,
         max_model_len: int,
-        engine_exit: EngineExit = engine_running,
+        engine_exit: EngineExit,
     ):
         self.base_url = base_url
         self.api_key = api_key

@@ -5,6 +5,7 @@ fault injection. The tasks here are small real tasks that write and record real 
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import os
 import subprocess
@@ -28,6 +29,7 @@ from eagle3_core.serving.engine import EngineDied
 from tasks.gpu import ensure_concurrency_limit
 from tasks.policy import (
     PhaseCachePolicy,
+    config_node,
     configured,
     is_deterministic,
     phase_task_options,
@@ -59,6 +61,20 @@ def key_of(policy: PhaseCachePolicy, config: PipelineConfig, **upstream: Manifes
 def test_select_fields_takes_sections_and_fields_minus_exclusions():
     data = {"a": {"x": 1, "y": 2}, "b": {"z": 3, "w": 4}}
     assert select_fields(data, ("a", "b.z"), ("a.y",)) == {"a": {"x": 1}, "b.z": 3}
+    with pytest.raises(ValueError, match=r"'a\.why' names no field"):
+        select_fields(data, ("a", "b.z"), ("a.why",))
+    with pytest.raises(ValueError, match=r"'b\.z\.deeper' names no field"):
+        select_fields(data, ("b.z.deeper",), ())
+
+
+@pytest.mark.parametrize("module", ["target", "sampling", "extraction", "vocab", "training", "evaluation"])
+def test_every_phase_policy_names_fields_of_the_config_tree(module: str):
+    """Each include and exclude path of the phase tasks' cache policies is a field of `PipelineConfig`."""
+    policy = importlib.import_module(f"tasks.{module}").POLICY
+    data = PipelineConfig().model_dump(mode="json")
+    for path in (*policy.include, *policy.exclude):
+        config_node(data, path)
+    select_fields(data, policy.include, policy.exclude)
 
 
 def test_key_ignores_operational_fields_and_follows_content(config: PipelineConfig):
