@@ -61,12 +61,6 @@ def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
     return draft_ids + d2t[draft_ids]
 
 
-def target_to_draft(target_ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
-    """Draft id of each target id, -1 where the token is outside the draft vocabulary."""
-    draft_index = torch.cumsum(t2d.long(), 0) - 1
-    return torch.where(t2d[target_ids], draft_index[target_ids], -1)
-
-
 def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
     """Share of loss-masked tokens inside the draft vocabulary (exact integer ratio)."""
     total = int(counts.sum())

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 from prefect.testing.utilities import prefect_test_harness
+from tiny_targets import build_tiny_target
 
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import TargetConfig
 from eagle3_core.events import RunEvents
-from eagle3_core.target.models import build_tiny_target
 from eagle3_core.target.prepare import describe_folder, prepare_target
 
 

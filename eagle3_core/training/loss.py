@@ -6,7 +6,7 @@ Target logits come from the stored last-layer state through the target's lm_head
 all steps: row j predicts token j+1, so draft step k at index i (which predicts token i+k+2) is scored
 against target row i+k+1.
 
-The loss never materialises full fp32 logits: `fused_soft_cross_entropy` walks row chunks, computes each
+The loss never materialises full fp32 logits: `fused_soft_cross_entropy_rows` walks row chunks, computes each
 chunk's logits once (straight into the buffer that keeps d loss / d logits), and a row function overwrites
 them with d loss / d logits = softmax(draft) - p_target, so backward is two saved tensors times a scalar.
 Row functions: `soft_ce_rows` (torch; the CPU path and the reference), its torch.compile'd chunk, and the
@@ -132,22 +132,6 @@ def fused_soft_cross_entropy_rows(
     return _FusedSoftCrossEntropy.apply(
         hidden, weight, weight_c, target_logits, target_rows, row_weights, chunk, rows_fn
     )
-
-
-def fused_soft_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_logits: torch.Tensor,
-    row_weights: torch.Tensor,
-    weight_c: torch.Tensor | None = None,
-    chunk: int = LOSS_CHUNK_ROWS,
-    rows_fn: RowsFn = soft_ce_rows,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fused_soft_cross_entropy_rows` with target row n = target_logits[n]: (weighted loss sum, argmax)."""
-    loss, _, top1 = fused_soft_cross_entropy_rows(
-        hidden, weight, target_logits, row_weights, None, weight_c, chunk, rows_fn
-    )
-    return loss, top1
 
 
 def step_valid(loss_mask: torch.Tensor, document_ids: torch.Tensor, step: int) -> torch.Tensor:

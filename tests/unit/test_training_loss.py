@@ -15,10 +15,18 @@ from eagle3_core.training.loss import (
     TTTObjective,
     acceptance_counts,
     acceptance_summary,
-    fused_soft_cross_entropy,
+    fused_soft_cross_entropy_rows,
     step_valid,
 )
 from tests.unit.test_draft import random_batch, tiny_draft, unroll
+
+
+def fused_soft_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, target_logits: torch.Tensor, row_weights: torch.Tensor, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_soft_cross_entropy_rows` with target row n = target_logits[n]: (weighted loss sum, argmax)."""
+    loss, _, top1 = fused_soft_cross_entropy_rows(hidden, weight, target_logits, row_weights, None, None, chunk)
+    return loss, top1
 
 
 def test_fused_soft_cross_entropy_matches_autograd() -> None:
