@@ -24,9 +24,11 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/eagle3 run --config $(DEMO_CONFIG)
 
+# ruff, then the import contracts of pyproject.toml ([tool.importlinter]): the layers hold or the build fails.
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 test: lint
 	$(PY) -m pytest -q -ra

@@ -30,7 +30,7 @@ import torch
 def cpu_sample_set(root: Path, tokenizer_vocab: int, samples: int, tokens: int):
     """A SampleSet of random-token conversations (loss on the second half), written as one Parquet part."""
     from eagle3_core.artifacts import SampleSet, record_files
-    from eagle3_core.sample_table import write_part
+    from eagle3_core.sampling.table import write_part
 
     gen = torch.Generator().manual_seed(0)
     rows = [
@@ -84,7 +84,7 @@ def mean_cosines(a, b) -> list[float]:
 def run_cpu(args: argparse.Namespace) -> dict:
     from eagle3_core.config import PipelineConfig, TargetConfig
     from eagle3_core.events import WEIGHT_LOAD, RunEvents
-    from eagle3_core.target import prepare_target
+    from eagle3_core.target.prepare import prepare_target
 
     work = Path(tempfile.mkdtemp(prefix="extraction-bench-"))
     target = prepare_target(TargetConfig(), RunEvents(work))

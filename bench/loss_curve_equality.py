@@ -30,10 +30,10 @@ import torch
 def prepare(run_dir: Path, out: Path, max_length: int, train_items: int, val_items: int, seed: int) -> None:
     from eagle3_core.artifacts import HiddenStateSet, VocabMap
     from eagle3_core.config import TargetConfig
-    from eagle3_core.draft import DraftConfig, Eagle3Draft
+    from eagle3_core.draft.model import DraftConfig, Eagle3Draft
     from eagle3_core.events import RunEvents
     from eagle3_core.extraction.reader import HiddenStateDataset
-    from eagle3_core.target import prepare_target
+    from eagle3_core.target.prepare import prepare_target
     from eagle3_core.training.loop import split_validation
     from eagle3_core.training.loss import TargetHead
     from eagle3_core.training.phase import target_rms_eps
@@ -71,11 +71,15 @@ def prepare(run_dir: Path, out: Path, max_length: int, train_items: int, val_ite
 def train(data_path: Path, out: Path, steps: int, ttt_steps: int, seed: int) -> None:
     import eagle3_core
     from eagle3_core.config import TrainingConfig
-    from eagle3_core.draft import DraftConfig, Eagle3Draft
     from eagle3_core.events import RunEvents
     from eagle3_core.training.distributed import Group
     from eagle3_core.training.loop import run_training
     from eagle3_core.training.loss import TargetHead, TTTObjective
+
+    try:
+        from eagle3_core.draft.model import DraftConfig, Eagle3Draft
+    except ModuleNotFoundError:  # versions before the draft/ package (eagle3_core/draft.py)
+        from eagle3_core.draft import DraftConfig, Eagle3Draft
 
     data = torch.load(data_path, weights_only=False)
     draft = Eagle3Draft(DraftConfig(**data["draft_config"]))

@@ -30,9 +30,9 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction import extract_hidden_states
 from eagle3_core.extraction.vllm_backend import INCOMING_DIR, shared_server
-from eagle3_core.reuse_decision import sampling_slowdown_s
-from eagle3_core.sampling import sample_prompts
-from eagle3_core.target import prepare_target
+from eagle3_core.sampling.phase import sample_prompts
+from eagle3_core.sampling.reuse_decision import sampling_slowdown_s
+from eagle3_core.target.prepare import prepare_target
 
 SEEDS_LOAD_S = 1467.0  # seeds: Kimi-K2.5, 64 shards, "Loading weights took 1467.29 seconds"
 

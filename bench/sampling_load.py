@@ -26,12 +26,12 @@ import psutil
 import pyarrow.parquet as pq
 from sampling_speed import append_result, machine_info
 
-from eagle3_core.chat_tokens import ChatTokenizer
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
-from eagle3_core.sampling import sample_prompts
-from eagle3_core.serving import ExternalServer, VllmServer
-from eagle3_core.target import prepare_target
+from eagle3_core.sampling.chat_tokens import ChatTokenizer
+from eagle3_core.sampling.phase import sample_prompts
+from eagle3_core.serving.engine import ExternalServer, VllmServer
+from eagle3_core.target.prepare import prepare_target
 
 TOPICS = ["a river", "prime numbers", "a violin", "rain", "a compiler", "the moon", "bread", "a chess opening"]
 

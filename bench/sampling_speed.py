@@ -24,13 +24,13 @@ from pathlib import Path
 
 import httpx
 
-from eagle3_core.chat_tokens import ChatTokenizer
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
-from eagle3_core.prompts import DEMO, load_prompts
-from eagle3_core.sampling import Sampler, parse_completion, request_body, served_model
-from eagle3_core.serving import VllmServer
-from eagle3_core.target import prepare_target
+from eagle3_core.sampling.chat_tokens import ChatTokenizer
+from eagle3_core.sampling.phase import Sampler, parse_completion, request_body, served_model
+from eagle3_core.sampling.prompts import DEMO, load_prompts
+from eagle3_core.serving.engine import VllmServer
+from eagle3_core.target.prepare import prepare_target
 
 RESULTS = Path(__file__).parent / "RESULTS.md"
 
@@ -54,7 +54,9 @@ def machine_info() -> str:
 
 async def concurrent_run(server: VllmServer, config: PipelineConfig, tokens: ChatTokenizer, prompts) -> tuple:
     rows: list[dict] = []
-    sampler = Sampler(server.base_url, server.api_key, config.sampling, tokens, config.server.max_model_len)
+    sampler = Sampler(
+        server.base_url, server.api_key, config.sampling, tokens, config.server.max_model_len, server.exit_report
+    )
     start = time.perf_counter()
     await sampler.run(list(enumerate(prompts)), rows.append)
     seconds = time.perf_counter() - start

@@ -4,7 +4,7 @@ Draft of a Llama-3.1-8B-shaped target (hidden 4096, 32 heads, 8 kv heads, interm
 [2, 16, 29], vocabulary 128256 mapped to 32000), random inputs, one packed sequence per step, bf16
 autocast, fp32 master weights, fused AdamW, gradient clipping: the real `TTTObjective` of training.
 
-Imports only torch (+ safetensors through eagle3_core.draft): the GPU machine has no pydantic.
+Imports only torch (+ safetensors through eagle3_core.draft.model): the GPU machine has no pydantic.
 Run from the repository root:  PYTHONPATH=. python bench/train_speed.py [--out results.json]
 Data parallel (DDP, one process per GPU, each rank its own sequence per step):
   PYTHONPATH=. torchrun --nproc_per_node 2 bench/train_speed.py --ddp [--compare single.json]
@@ -19,7 +19,7 @@ import traceback
 
 import torch
 
-from eagle3_core.draft import DraftConfig, Eagle3Draft
+from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_core.training.attention import (
     document_block_mask,
     document_causal_mask,

@@ -19,10 +19,10 @@ from eagle3_core.artifacts import HiddenStateSet, SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig, ServerConfig
 from eagle3_core.events import PREFLIGHT, RunEvents
 from eagle3_core.files import free_bytes, sha256_file
-from eagle3_core.models import check_layer_ids
-from eagle3_core.server_processes import gpu_compute_apps, has_cuda_gpus
-from eagle3_core.serving import PortInUseError, check_port_free
-from eagle3_core.target import TOKENIZER_FILES, tokenizer_digest
+from eagle3_core.serving.engine import PortInUseError, check_port_free
+from eagle3_core.serving.processes import gpu_compute_apps, has_cuda_gpus
+from eagle3_core.target.models import check_layer_ids
+from eagle3_core.target.prepare import TOKENIZER_FILES, tokenizer_digest
 
 # A sampled row on disk (ids, mask, text, Parquet overhead) per token, rounded up: sampling's estimate.
 SAMPLE_BYTES_PER_TOKEN = 32
@@ -186,7 +186,7 @@ def draft_parameters(target: TargetModel, draft_vocab_size: int, layer_ids: list
     """Trainable parameters of the draft for this target, counted on the meta device (no memory)."""
     import torch
 
-    from eagle3_core.draft import DraftConfig, Eagle3Draft
+    from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 
     target_config = json.loads((target.root_path / "config.json").read_text())
     with torch.device("meta"):

@@ -18,7 +18,7 @@ from eagle3_core.artifacts import ArtifactInvalid, SampleSet, TargetModel, Vocab
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.files import atomic_path
-from eagle3_core.sample_table import is_heldout, iter_rows
+from eagle3_core.sampling.table import is_heldout, iter_rows
 
 PHASE = "vocab"
 OUT_DIR = "vocab"
@@ -59,12 +59,6 @@ def mapping_tensors(selected: torch.Tensor, vocab_size: int) -> tuple[torch.Tens
 
 def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
     return draft_ids + d2t[draft_ids]
-
-
-def target_to_draft(target_ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
-    """Draft id of each target id, -1 where the token is outside the draft vocabulary."""
-    draft_index = torch.cumsum(t2d.long(), 0) - 1
-    return torch.where(t2d[target_ids], draft_index[target_ids], -1)
 
 
 def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:

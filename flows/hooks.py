@@ -21,7 +21,7 @@ def pid_files(run_dir: Path) -> list[Path]:
 
 def stop_engines(flow: Any, flow_run: Any, state: Any) -> None:
     """on_cancellation / on_crashed hook: stop the engines recorded in the run's pid files."""
-    from eagle3_core.serving import stop_server
+    from eagle3_core.serving.engine import stop_server
 
     raw = flow_run.parameters.get("config") or {}
     config = raw if isinstance(raw, PipelineConfig) else PipelineConfig.model_validate(raw)

@@ -7,11 +7,7 @@ from prefect import task
 
 from eagle3_core.artifacts import DraftCheckpoint, EvalReport, SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
-from eagle3_core.events import RunEvents
-from eagle3_core.faults import faulting_progress
-from tasks.gpu import gpu_slot
-from tasks.policy import SERVER_OPERATIONAL, PhaseCachePolicy, phase_task_options, run_phase
-from tasks.progress import PrefectProgress
+from tasks.policy import SERVER_OPERATIONAL, PhaseCachePolicy, phase_task_options, run_gpu_phase
 
 PHASE = "evaluation"
 
@@ -30,11 +26,6 @@ def evaluate_draft_task(
     """Measure acceptance on held-out prompts with the real target (and vLLM where available)."""
     from eagle3_core.evaluation import evaluate_draft
 
-    with gpu_slot(config.orchestration.gpu_limit):
-        progress = faulting_progress(PHASE, PrefectProgress(config.orchestration.progress_interval_s))
-        return run_phase(
-            PHASE,
-            lambda: evaluate_draft(
-                config, checkpoint, target, sample_set, RunEvents(config.run_dir), progress=progress
-            ),
-        )
+    return run_gpu_phase(
+        PHASE, config, lambda events, progress: evaluate_draft(config, checkpoint, target, sample_set, events, progress)
+    )

@@ -1,4 +1,4 @@
-"""Prefect task of phase 2, hidden-state extraction. Keyed on what changes the stored states (backend,
+"""Prefect task of phase 3, hidden-state extraction. Keyed on what changes the stored states (backend,
 layer ids, dtype, shard size, the held-out split, the engine's numerics), never on batch size,
 concurrency or device."""
 
@@ -8,12 +8,8 @@ from prefect import task
 
 from eagle3_core.artifacts import HiddenStateSet, SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
-from eagle3_core.events import RunEvents
-from eagle3_core.faults import faulting_progress
-from eagle3_core.shared_server import SharedServer
-from tasks.gpu import phase_slot
-from tasks.policy import SERVER_OPERATIONAL, PhaseCachePolicy, phase_task_options, run_phase
-from tasks.progress import PrefectProgress
+from eagle3_core.serving.shared import SharedServer
+from tasks.policy import SERVER_OPERATIONAL, PhaseCachePolicy, phase_task_options, run_gpu_phase
 
 PHASE = "extraction"
 
@@ -43,9 +39,9 @@ def extract_hidden_states_task(
     `shared` (the SharedServer sampling used; part of no cache key)."""
     from eagle3_core.extraction import extract_hidden_states
 
-    with phase_slot(config.orchestration.gpu_limit, shared):
-        progress = faulting_progress(PHASE, PrefectProgress(config.orchestration.progress_interval_s))
-        events = RunEvents(config.run_dir)
-        return run_phase(
-            PHASE, lambda: extract_hidden_states(config, sample_set, target, events, progress=progress, server=shared)
-        )
+    return run_gpu_phase(
+        PHASE,
+        config,
+        lambda events, progress: extract_hidden_states(config, sample_set, target, events, progress, shared),
+        shared,
+    )

@@ -26,10 +26,13 @@ from prefect.tasks import Task, exponential_backoff
 from eagle3_core.artifacts import ArtifactInvalid, Manifest
 from eagle3_core.config import ConfigError, PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
-from eagle3_core.faults import InjectedFault, check_fault
+from eagle3_core.faults import InjectedFault, check_fault, faulting_progress
 from eagle3_core.files import DiskFullError, sha256_json
 from eagle3_core.preflight import PreflightError
-from eagle3_core.serving import EngineDied
+from eagle3_core.progress import ProgressCallback
+from eagle3_core.serving.engine import EngineDied
+from tasks.gpu import phase_slot
+from tasks.progress import PrefectProgress
 from tasks.secrets import export_api_key
 
 ExtraContent = Callable[[PipelineConfig], Any]
@@ -51,15 +54,23 @@ SERVER_OPERATIONAL = (
 )
 
 
+def config_node(data: dict[str, Any], path: str) -> Any:
+    """The value at dotted `path` of a config dump; a path that names no field is a `ValueError`, so a
+    misspelled include or exclude path fails instead of silently keying on too much."""
+    node: Any = data
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ValueError(f"cache policy path {path!r} names no field of the configuration")
+        node = node[part]
+    return node
+
+
 def select_fields(data: dict[str, Any], include: tuple[str, ...], exclude: tuple[str, ...]) -> dict[str, Any]:
-    """The dotted paths `include` of a config dump (whole sections or single fields), minus `exclude`."""
-    selected: dict[str, Any] = {}
-    for path in include:
-        node: Any = data
-        for part in path.split("."):
-            node = node[part]
-        selected[path] = node
+    """The dotted paths `include` of a config dump (whole sections or single fields), minus `exclude`.
+    Every path must name a field of `data` (`config_node`)."""
+    selected: dict[str, Any] = {path: config_node(data, path) for path in include}
     for path in exclude:
+        config_node(data, path)
         section, _, name = path.rpartition(".")
         if isinstance(selected.get(section), dict):
             selected[section] = {k: v for k, v in selected[section].items() if k != name}
@@ -243,3 +254,18 @@ def run_phase(phase: str, call: Callable[[], R]) -> R:
     result = call_outside_event_loop(call)
     check_fault(phase, "end")
     return result
+
+
+def run_gpu_phase(
+    phase: str,
+    config: PipelineConfig,
+    call: Callable[[RunEvents, ProgressCallback], R],
+    shared: object | None = None,
+) -> R:
+    """The body of every GPU phase task: `call(events, progress)` holding the `gpu` slot (none when it uses
+    the `shared` server, which holds the slot itself), with progress reported to Prefect through the
+    EAGLE3_FAULT points of `faulting_progress`, between `run_phase`'s start and end fault points."""
+    with phase_slot(config.orchestration.gpu_limit, shared):
+        progress = faulting_progress(phase, PrefectProgress(config.orchestration.progress_interval_s))
+        events = RunEvents(config.run_dir)
+        return run_phase(phase, lambda: call(events, progress))

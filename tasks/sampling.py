@@ -9,14 +9,10 @@ from prefect import task
 
 from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
-from eagle3_core.events import RunEvents
-from eagle3_core.faults import faulting_progress
 from eagle3_core.files import sha256_file
-from eagle3_core.prompts import DEMO, demo_prompts_path
-from eagle3_core.shared_server import SharedServer
-from tasks.gpu import phase_slot
-from tasks.policy import SERVER_OPERATIONAL, PhaseCachePolicy, phase_task_options, run_phase
-from tasks.progress import PrefectProgress
+from eagle3_core.sampling.prompts import DEMO, demo_prompts_path
+from eagle3_core.serving.shared import SharedServer
+from tasks.policy import SERVER_OPERATIONAL, PhaseCachePolicy, phase_task_options, run_gpu_phase
 
 PHASE = "sampling"
 
@@ -49,9 +45,8 @@ POLICY = PhaseCachePolicy(
 def sample_prompts_task(config: PipelineConfig, target: TargetModel, shared: SharedServer | None = None) -> SampleSet:
     """Sample every prompt not sampled yet; the phase starts and stops its own engine (try/finally), or
     uses `shared` (a SharedServer the flow stops; part of no cache key)."""
-    from eagle3_core.sampling import sample_prompts
+    from eagle3_core.sampling.phase import sample_prompts
 
-    with phase_slot(config.orchestration.gpu_limit, shared):
-        progress = faulting_progress(PHASE, PrefectProgress(config.orchestration.progress_interval_s))
-        events = RunEvents(config.run_dir)
-        return run_phase(PHASE, lambda: sample_prompts(config, target, events, progress=progress, server=shared))
+    return run_gpu_phase(
+        PHASE, config, lambda events, progress: sample_prompts(config, target, events, progress, shared), shared
+    )

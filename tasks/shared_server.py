@@ -1,7 +1,7 @@
 """The vLLM server sampling and extraction share when `extraction.reuse_sampling_server` resolves to reuse
-(`eagle3_core.reuse_decision`). The flow opens it around the two tasks and hands it to both; it starts on
+(`eagle3_core.sampling.reuse_decision`). The flow opens it around the two tasks and hands it to both; it starts on
 first use holding the `gpu` slot, and stops (releasing the slot) when the block ends, on success or
-failure. See `eagle3_core.shared_server` for its lifetime."""
+failure. See `eagle3_core.serving.shared` for its lifetime."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from functools import partial
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
-from eagle3_core.reuse_decision import resolve_reuse
-from eagle3_core.shared_server import SharedServer
+from eagle3_core.sampling.reuse_decision import resolve_reuse
+from eagle3_core.serving.shared import SharedServer
 from tasks.gpu import gpu_slot
 
 

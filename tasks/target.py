@@ -11,7 +11,7 @@ from prefect import task
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
-from eagle3_core.target import EMBEDDED, embedded_gguf, prepare_target
+from eagle3_core.target.prepare import EMBEDDED, embedded_gguf, prepare_target
 from tasks.policy import PhaseCachePolicy, phase_task_options, run_phase
 
 PHASE = "prepare_target"

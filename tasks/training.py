@@ -10,11 +10,7 @@ from prefect import task
 
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap
 from eagle3_core.config import PipelineConfig
-from eagle3_core.events import RunEvents
-from eagle3_core.faults import faulting_progress
-from tasks.gpu import gpu_slot
-from tasks.policy import PhaseCachePolicy, phase_task_options, run_phase
-from tasks.progress import PrefectProgress
+from tasks.policy import PhaseCachePolicy, phase_task_options, run_gpu_phase
 
 PHASE = "training"
 
@@ -50,9 +46,6 @@ def train_draft_task(
     """Train (or resume training) the draft; exports the vLLM-loadable folder."""
     from eagle3_core.training import train_draft
 
-    with gpu_slot(config.orchestration.gpu_limit):
-        progress = faulting_progress(PHASE, PrefectProgress(config.orchestration.progress_interval_s))
-        return run_phase(
-            PHASE,
-            lambda: train_draft(config, hidden_states, vocab_map, target, RunEvents(config.run_dir), progress=progress),
-        )
+    return run_gpu_phase(
+        PHASE, config, lambda events, progress: train_draft(config, hidden_states, vocab_map, target, events, progress)
+    )

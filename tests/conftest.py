@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 from prefect.testing.utilities import prefect_test_harness
+from tiny_targets import build_tiny_target
 
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import TargetConfig
 from eagle3_core.events import RunEvents
-from eagle3_core.models import build_tiny_target
-from eagle3_core.target import describe_folder, prepare_target
+from eagle3_core.target.prepare import describe_folder, prepare_target
 
 
 @pytest.fixture(scope="session")

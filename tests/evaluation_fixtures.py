@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from eagle3_core.artifacts import DraftCheckpoint, TargetModel, record_files
-from eagle3_core.draft import DraftConfig, Eagle3Draft
-from eagle3_core.export import export_draft
-from eagle3_core.models import default_aux_layer_ids
-from eagle3_core.target import describe_folder
+from eagle3_core.draft.export import export_draft
+from eagle3_core.draft.model import DraftConfig, Eagle3Draft
+from eagle3_core.target.models import default_aux_layer_ids
+from eagle3_core.target.prepare import describe_folder
 
 
 def varied_tiny_target(tiny: TargetModel, out_dir: Path, std: float = 0.1) -> TargetModel:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3_core.artifacts import SampleSet, record_files
-from eagle3_core.sample_table import write_part
+from eagle3_core.sampling.table import write_part
 
 PROMPTS = [
     ("What is the capital of France?", "The capital of France is Paris."),

@@ -160,13 +160,13 @@ def load_models(config: PipelineConfig, target: TargetModel, draft_dir: Path, ev
     """The target (a full weight load, recorded), its tokenizer, and the exported draft on one device."""
     from transformers import AutoTokenizer
 
-    from eagle3_core.draft import Eagle3Draft
+    from eagle3_core.draft.export import load_exported
     from eagle3_core.evaluation.speculative import load_target, resolve_device
 
     device = resolve_device(config.evaluation.device)
     with events.weight_load(PHASE, f"{target.name} (transformers, {config.evaluation.dtype}, {device})"):
         model = load_target(target.root_path, config.evaluation.dtype, device)
-    draft = Eagle3Draft.from_exported(draft_dir, target.root_path).to(device).eval()
+    draft = load_exported(draft_dir, target.root_path).to(device).eval()
     return model, AutoTokenizer.from_pretrained(target.root_path), draft
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_core.artifacts import SampleSet
-from eagle3_core.sample_table import is_heldout, iter_rows
+from eagle3_core.sampling.table import is_heldout, iter_rows
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block."
 

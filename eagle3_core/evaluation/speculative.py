@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from eagle3_core.draft import DraftKVCache, Eagle3Draft
+from eagle3_core.draft.model import DraftKVCache, Eagle3Draft
 from eagle3_core.evaluation.prompts import EvalPrompt
 from eagle3_core.evaluation.stats import AcceptanceStats
 

@@ -263,7 +263,7 @@ def measure_vllm(
 ) -> dict[str, dict[str, Any]]:
     """Measurement (b): two server starts (with, then without the draft), one at a time, each stopped
     before the next starts. Returns `{"k", "sets": {name or "all": acceptance, throughput, speedups}}`."""
-    from eagle3_core.serving import VllmServer
+    from eagle3_core.serving.engine import VllmServer
 
     evaluation = config.evaluation
     runs: dict[bool, dict[str, dict[str, Any]]] = {}

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_core.artifacts import ArtifactInvalid, FileRecord, HiddenStateSet, SampleSet, TargetModel
-from eagle3_core.config import ConfigError, ExtractionConfig, PipelineConfig
+from eagle3_core.config import ExtractionConfig, PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
+from eagle3_core.extraction.layout import OUT_DIR, resolve_layer_ids
 from eagle3_core.extraction.reader import INDEX_FILE
 from eagle3_core.extraction.storage import (
     LAST_STATE_NORMED,
@@ -29,26 +30,13 @@ from eagle3_core.extraction.storage import (
     shard_name,
 )
 from eagle3_core.files import sha256_json, write_text_atomic
-from eagle3_core.models import check_layer_ids, default_aux_layer_ids
 from eagle3_core.preflight import preflight_extraction
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
-from eagle3_core.sample_table import is_heldout, iter_rows
+from eagle3_core.sampling.table import is_heldout, iter_rows
 
 PHASE = "extraction"
-OUT_DIR = "hidden_states"
 FORMAT_VERSION = 1
 DONE_SUFFIX = ".done.json"
-
-
-def resolve_layer_ids(config: PipelineConfig, target: TargetModel) -> list[int]:
-    """The configured aux layer ids, or the default for the target's depth; ids that do not fit the target
-    fail here, before any weight load, naming the field."""
-    layer_ids = list(config.extraction.layer_ids or default_aux_layer_ids(target.num_layers))
-    try:
-        check_layer_ids(layer_ids, target.num_layers)
-    except ValueError as exc:
-        raise ConfigError(f"extraction.layer_ids: {exc}") from None
-    return layer_ids
 
 
 def phase_config(config: PipelineConfig, target: TargetModel) -> dict[str, Any]:

@@ -177,10 +177,6 @@ def read_shard_metadata(path: Path) -> dict[str, str]:
     return meta
 
 
-def shard_sample_ids(path: Path) -> list[str]:
-    return json.loads(read_shard_metadata(path)["sample_ids"])
-
-
 def read_sample(
     handle, offsets: torch.Tensor, index: int, max_tokens: int | None = None, dequantize: bool = True
 ) -> dict[str, torch.Tensor]:

@@ -6,9 +6,9 @@ so the stored `last` matches the hf backend's. Each sample's token ids go to `/v
 `max_tokens=1`; the KV connector (`connector.py`) writes the prompt's states to a safetensors file whose
 path comes back in `kv_transfer_params`; the file is read, checked and deleted, its states go into our
 shards. Tensor parallelism, memory share and the rest come from `config.server`; the server lifecycle
-(load progress, stall detection, clean stop) is `eagle3_core.serving`'s. `shared_server` builds the one
+(load progress, stall detection, clean stop) is `eagle3_core.serving.engine`'s. `shared_server` builds the one
 server sampling and extraction share when `extraction.reuse_sampling_server` says so
-(`eagle3_core.shared_server`). An engine that dies mid-shard fails the shard with `EngineDied` (transient:
+(`eagle3_core.serving.shared`). An engine that dies mid-shard fails the shard with `EngineDied` (transient:
 the phase's retry starts a new engine and extracts only the shards without a completion record);
 nothing of the failed shard is written.
 """
@@ -30,11 +30,11 @@ from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.extraction.connector import CONNECTOR_NAME, EXTRACT_REQUEST
-from eagle3_core.extraction.phase import OUT_DIR, resolve_layer_ids
+from eagle3_core.extraction.layout import OUT_DIR, resolve_layer_ids
 from eagle3_core.extraction.storage import SampleStates, ShardError
 from eagle3_core.progress import ProgressCallback
-from eagle3_core.serving import ENGINE_EXIT_WAIT_S, EngineDied, EngineExit
-from eagle3_core.shared_server import CONTEXT_MARGIN, SharedServer, running_server
+from eagle3_core.serving.engine import ENGINE_EXIT_WAIT_S, EngineDied, EngineExit
+from eagle3_core.serving.shared import CONTEXT_MARGIN, SharedServer, running_server
 
 PHASE = "extraction"
 INCOMING_DIR = "incoming"
@@ -168,7 +168,7 @@ def open_vllm_backend(
     here when needed), else start one extraction server (one weight load) and stop it on exit.
     `max_tokens` is the longest sample: the server's context is widened to hold it plus the one
     generated token."""
-    from eagle3_core.serving import VllmServer
+    from eagle3_core.serving.engine import VllmServer
 
     timeout_s = config.sampling.request_timeout_s
     if server is not None:
@@ -214,7 +214,7 @@ def shared_server(
     """The server sampling and extraction share: an extraction server whose connector writes states only
     for requests that ask, with `server.max_model_len + CONTEXT_MARGIN` tokens of context so that every
     sampled conversation fits with its one generated token. Started on first use."""
-    from eagle3_core.serving import VllmServer
+    from eagle3_core.serving.engine import VllmServer
 
     incoming = Path(config.run_dir) / OUT_DIR / INCOMING_DIR
     args = extraction_args(resolve_layer_ids(config, target), target.num_layers, incoming.resolve())

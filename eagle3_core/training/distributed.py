@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from eagle3_core.draft import WeightRegion, Weights
+from eagle3_core.draft.model import WeightRegion, Weights
 
 
 @dataclass(frozen=True)

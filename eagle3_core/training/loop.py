@@ -15,7 +15,8 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ from eagle3_core.config import TrainingConfig
 from eagle3_core.events import DECISION, RESUME, RunEvents
 from eagle3_core.extraction.storage import dequantize_states
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
-from eagle3_core.sample_table import is_heldout
+from eagle3_core.sampling.table import is_heldout
 from eagle3_core.training.distributed import Group, all_reduce_sum, barrier, wrap
 from eagle3_core.training.loss import (
     TargetHead,
@@ -258,24 +259,29 @@ def history_row(step: int, lr: float, record: list[float]) -> tuple[dict[str, fl
     return row, tokens
 
 
-def run_training(
-    objective: TTTObjective,
-    head: TargetHead,
-    train_data: Dataset,
-    val_data: Dataset | None,
-    tc: TrainingConfig,
-    state_dir: Path,
-    group: Group,
-    events: RunEvents,
-    progress: ProgressCallback = ignore_progress,
-    stop_after: int | None = None,
-    report_interval_s: float = REPORT_INTERVAL_S,
-) -> tuple[int, dict[str, float]]:
-    """Train (resuming from `state_dir` when it holds a state) and return (steps done, metrics).
-    `stop_after` ends the process early at that step (as a crash would), after its checkpoint if due.
-    Progress and history rows of every step, made at most every `report_interval_s` (`report_due`)."""
+@dataclass(frozen=True)
+class Schedule:
+    """How long the run is and where in the data each step reads (the data position is the step)."""
+
+    steps_per_epoch: int
+    total: int
+
+    @classmethod
+    def of(cls, num_items: int, tc: TrainingConfig, group: Group) -> Schedule:
+        steps_per_epoch = len(rank_batches(num_items, tc.batch_size, group, tc.seed, 0))
+        return cls(steps_per_epoch, tc.max_steps or math.ceil(tc.epochs * steps_per_epoch))
+
+    def position(self, step: int) -> dict[str, int]:
+        """The data position after `step` steps, as saved in (and checked against) a training state."""
+        return {"epoch": step // self.steps_per_epoch, "batch": step % self.steps_per_epoch}
+
+
+def place_objective(
+    objective: TTTObjective, head: TargetHead, tc: TrainingConfig, group: Group, events: RunEvents
+) -> tuple[torch.nn.Module, TargetHead]:
+    """The objective on the group's device, compiled as `training.compile` says (recorded) and wrapped for
+    DDP/FSDP (`wrap`); the target head in the compute dtype."""
     device = group.device
-    pad_multiple = 128 if device.type == "cuda" else 1
     objective.to(device)
     loss_kernel = compile_plan(tc.compile, device)
     if loss_kernel is not None:
@@ -288,48 +294,87 @@ def run_training(
         )
         events.record(PHASE, DECISION, f"training.compile={tc.compile} on {device.type}: {compiled}")
     head = head.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    module = wrap(objective, group, tc.sharding, early_sync_layer=objective.draft.midlayer)
+    return wrap(objective, group, tc.sharding, early_sync_layer=objective.draft.midlayer), head
+
+
+def optimizer_and_schedule(
+    module: torch.nn.Module, tc: TrainingConfig, schedule: Schedule, device: torch.device
+) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """(trainable parameters, AdamW over them, its warmup + cosine schedule over `schedule.total` steps)."""
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay, fused=device.type == "cuda"
     )
-    steps_per_epoch = len(rank_batches(len(train_data), tc.batch_size, group, tc.seed, 0))
-    total = tc.max_steps or math.ceil(tc.epochs * steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total, tc.warmup_ratio, tc.min_lr_ratio)
+        optimizer, lambda s: lr_factor(s, schedule.total, tc.warmup_ratio, tc.min_lr_ratio)
     )
-    step, history = 0, []
-    resume_from = latest_state(state_dir)
-    if resume_from is not None:
-        restored = load_state(resume_from, module, optimizer, scheduler)
-        step, history = restored["step"], restored["history"]
-        if restored["position"] != {"epoch": step // steps_per_epoch, "batch": step % steps_per_epoch}:
-            raise ValueError(f"{resume_from}: saved data position {restored['position']} does not fit this data")
-        if group.is_main:
-            events.record(PHASE, RESUME, f"resuming at step {step} of {total} from {resume_from.name}", step=step)
-    elif val_data is not None and len(val_data):
-        history.append(
-            {
-                "step": 0,
-                **{
-                    f"initial_{k}": v
-                    for k, v in validate(objective, head, val_data, tc.batch_size, group, pad_multiple).items()
-                },
-            }
-        )
-    meter, start_step, tokens_seen = RateMeter(), step, 0.0
-    pending: list[tuple[int, float, torch.Tensor]] = []  # (step, lr, step_record) not yet reported
-    last_report = time.monotonic()
+    return params, optimizer, scheduler
 
-    def report() -> None:
-        nonlocal tokens_seen, last_report
-        records = torch.stack([record for _, _, record in pending]).tolist() if pending else []  # one sync
-        for (done, lr, _), values in zip(pending, records, strict=True):
+
+def resume_or_start(
+    state_dir: Path,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    schedule: Schedule,
+    group: Group,
+    events: RunEvents,
+    initial_metrics: Callable[[], dict[str, float]] | None,
+) -> tuple[int, list[dict[str, float]]]:
+    """(step, history) of the newest state in `state_dir`, restored into module, optimizer and scheduler;
+    else (0, the `initial_metrics` of the untrained draft, when given, as the history's first row)."""
+    resume_from = latest_state(state_dir)
+    if resume_from is None:
+        if initial_metrics is None:
+            return 0, []
+        return 0, [{"step": 0, **{f"initial_{k}": v for k, v in initial_metrics().items()}}]
+    restored = load_state(resume_from, module, optimizer, scheduler)
+    step, history = restored["step"], restored["history"]
+    if restored["position"] != schedule.position(step):
+        raise ValueError(f"{resume_from}: saved data position {restored['position']} does not fit this data")
+    if group.is_main:
+        events.record(PHASE, RESUME, f"resuming at step {step} of {schedule.total} from {resume_from.name}", step=step)
+    return step, history
+
+
+class Cadence:
+    """When the loop reports and checkpoints. A step's `step_record` waits on the device until a report is
+    due (`report_due`: every checkpoint, the end, and every `interval_s`); the report turns all pending
+    records into history rows and progress updates with one host sync."""
+
+    def __init__(
+        self,
+        history: list[dict[str, float]],
+        schedule: Schedule,
+        start_step: int,
+        checkpoint_every: int,
+        progress: ProgressCallback,
+        interval_s: float,
+    ):
+        self.history, self.schedule, self.start_step = history, schedule, start_step
+        self.checkpoint_every, self.progress, self.interval_s = checkpoint_every, progress, interval_s
+        self.meter, self.tokens_seen = RateMeter(), 0.0
+        self.pending: list[tuple[int, float, torch.Tensor]] = []  # (step, lr, step_record) not yet reported
+        self.last_report = time.monotonic()
+
+    def step_done(self, step: int, lr: float, record: torch.Tensor) -> None:
+        self.pending.append((step, lr, record))
+        since_report_s = time.monotonic() - self.last_report
+        if report_due(step, self.schedule.total, self.checkpoint_every, since_report_s, self.interval_s):
+            self.report()
+
+    def checkpoint_due(self, step: int) -> bool:
+        return step % self.checkpoint_every == 0 or step == self.schedule.total
+
+    def report(self) -> None:
+        total = self.schedule.total
+        records = torch.stack([record for _, _, record in self.pending]).tolist() if self.pending else []  # one sync
+        for (done, lr, _), values in zip(self.pending, records, strict=True):
             row, tokens = history_row(done, lr, values)
-            history.append(row)
-            tokens_seen += tokens
-            tokens_per_s = meter.rate(tokens_seen)
-            progress(
+            self.history.append(row)
+            self.tokens_seen += tokens
+            tokens_per_s = self.meter.rate(self.tokens_seen)
+            self.progress(
                 ProgressUpdate(
                     phase=PHASE,
                     stage="steps",
@@ -337,17 +382,80 @@ def run_training(
                     total=total,
                     unit="steps",
                     rate=tokens_per_s,
-                    eta_s=meter.eta(done - start_step, total - start_step),
+                    eta_s=self.meter.eta(done - self.start_step, total - self.start_step),
                     message=f"loss {row['loss']:.3f} top1@0 {row['top1_0']:.2f} {tokens_per_s:,.0f} tok/s",
                 )
             )
-        pending.clear()
-        last_report = time.monotonic()
+        self.pending.clear()
+        self.last_report = time.monotonic()
 
-    stop = total if stop_after is None else min(total, max(stop_after, step))
-    plan = step_batches(len(train_data), tc.batch_size, group, tc.seed, steps_per_epoch, step, stop)
+
+def checkpoint(
+    state_dir: Path,
+    step: int,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    schedule: Schedule,
+    history: list[dict[str, float]],
+    tc: TrainingConfig,
+    group: Group,
+) -> None:
+    """Save the training state after `step` (gathered from every rank, written by the main one)."""
+    model_state, optimizer_state = gather_state(module, optimizer)
+    if group.is_main:
+        save_state(
+            state_dir,
+            step,
+            model_state,
+            optimizer_state,
+            scheduler,
+            schedule.position(step),
+            history,
+            tc.keep_checkpoints,
+        )
+    barrier(group)
+
+
+def final_metrics(history: list[dict[str, float]]) -> dict[str, float]:
+    """The last history row's numbers and the untrained draft's (`initial_*`)."""
+    metrics = {k: v for k, v in history[-1].items() if k != "step"} if history else {}
+    for row in history:
+        metrics.update({k: v for k, v in row.items() if k.startswith("initial_")})
+    return metrics
+
+
+def run_training(
+    objective: TTTObjective,
+    head: TargetHead,
+    train_data: Dataset,
+    val_data: Dataset | None,
+    tc: TrainingConfig,
+    state_dir: Path,
+    group: Group,
+    events: RunEvents,
+    progress: ProgressCallback = ignore_progress,
+    report_interval_s: float = REPORT_INTERVAL_S,
+) -> tuple[int, dict[str, float]]:
+    """Train (resuming from `state_dir` when it holds a state) and return (steps done, metrics).
+    Progress and history rows of every step, made at most every `report_interval_s` (`Cadence`)."""
+    device = group.device
+    pad_multiple = 128 if device.type == "cuda" else 1
+    module, head = place_objective(objective, head, tc, group, events)
+    validating = val_data is not None and len(val_data) > 0
+
+    def validation() -> dict[str, float]:
+        return validate(objective, head, val_data, tc.batch_size, group, pad_multiple)
+
+    schedule = Schedule.of(len(train_data), tc, group)
+    params, optimizer, scheduler = optimizer_and_schedule(module, tc, schedule, device)
+    step, history = resume_or_start(
+        state_dir, module, optimizer, scheduler, schedule, group, events, validation if validating else None
+    )
+    cadence = Cadence(history, schedule, step, tc.checkpoint_every, progress, report_interval_s)
+    plan = step_batches(len(train_data), tc.batch_size, group, tc.seed, schedule.steps_per_epoch, step, schedule.total)
     with BatchPrefetcher(train_data, plan, device, pad_multiple, objective.ttt_steps) as batches:
-        while step < stop:
+        while step < schedule.total:
             batch = batches.next()
             with autocast(device):
                 loss, stats, _, _ = module(batch, head)
@@ -357,23 +465,12 @@ def run_training(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            pending.append(
-                (step, scheduler.get_last_lr()[0], step_record(loss, stats, batch["input_ids"].numel(), group))
-            )
-            if report_due(step, total, tc.checkpoint_every, time.monotonic() - last_report, report_interval_s):
-                report()
-            if step % tc.checkpoint_every == 0 or step == total:
-                model_state, optimizer_state = gather_state(module, optimizer)
-                if group.is_main:
-                    position = {"epoch": step // steps_per_epoch, "batch": step % steps_per_epoch}
-                    save_state(
-                        state_dir, step, model_state, optimizer_state, scheduler, position, history, tc.keep_checkpoints
-                    )
-                barrier(group)
-    report()
-    metrics = {k: v for k, v in history[-1].items() if k != "step"} if history else {}
-    for row in history:
-        metrics.update({k: v for k, v in row.items() if k.startswith("initial_")})
-    if step == total and val_data is not None and len(val_data):
-        metrics.update(validate(objective, head, val_data, tc.batch_size, group, pad_multiple))
+            record = step_record(loss, stats, batch["input_ids"].numel(), group)
+            cadence.step_done(step, scheduler.get_last_lr()[0], record)
+            if cadence.checkpoint_due(step):
+                checkpoint(state_dir, step, module, optimizer, scheduler, schedule, history, tc, group)
+    cadence.report()
+    metrics = final_metrics(history)
+    if step == schedule.total and validating:
+        metrics.update(validation())
     return step, metrics

@@ -6,7 +6,7 @@ Target logits come from the stored last-layer state through the target's lm_head
 all steps: row j predicts token j+1, so draft step k at index i (which predicts token i+k+2) is scored
 against target row i+k+1.
 
-The loss never materialises full fp32 logits: `fused_soft_cross_entropy` walks row chunks, computes each
+The loss never materialises full fp32 logits: `fused_soft_cross_entropy_rows` walks row chunks, computes each
 chunk's logits once (straight into the buffer that keeps d loss / d logits), and a row function overwrites
 them with d loss / d logits = softmax(draft) - p_target, so backward is two saved tensors times a scalar.
 Row functions: `soft_ce_rows` (torch; the CPU path and the reference), its torch.compile'd chunk, and the
@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eagle3_core.draft import Eagle3Draft
+from eagle3_core.draft.model import Eagle3Draft
+from eagle3_core.training.attention import TTTAttention
 
 LOSS_CHUNK_ROWS = 4096
 RowsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -133,22 +134,6 @@ def fused_soft_cross_entropy_rows(
     )
 
 
-def fused_soft_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_logits: torch.Tensor,
-    row_weights: torch.Tensor,
-    weight_c: torch.Tensor | None = None,
-    chunk: int = LOSS_CHUNK_ROWS,
-    rows_fn: RowsFn = soft_ce_rows,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fused_soft_cross_entropy_rows` with target row n = target_logits[n]: (weighted loss sum, argmax)."""
-    loss, _, top1 = fused_soft_cross_entropy_rows(
-        hidden, weight, target_logits, row_weights, None, weight_c, chunk, rows_fn
-    )
-    return loss, top1
-
-
 def step_valid(loss_mask: torch.Tensor, document_ids: torch.Tensor, step: int) -> torch.Tensor:
     """[B, T] bool: draft step `step` at index i is scored iff token i+step+2 exists, is loss-masked and is
     in the same document as i (a chain never crosses into the next packed sample)."""
@@ -185,7 +170,7 @@ class TargetHead:
     def from_target(
         cls, target_dir: Path | str, t2d: torch.Tensor, d2t: torch.Tensor, last_state_normed: bool, eps: float
     ) -> TargetHead:
-        from eagle3_core.models import load_target_tensors
+        from eagle3_core.target.models import load_target_tensors
 
         tensors = load_target_tensors(target_dir, ["norm", "lm_head"])
         norm = None if last_state_normed else tensors["norm"]
@@ -250,13 +235,13 @@ class TTTObjective(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor], head: TargetHead, exact_top1: bool = False):
         """batch: `collate`'s tensors, with `valid` / `scored` (`scored_rows`) when the loader made them."""
+        attend = TTTAttention.for_documents(batch["document_ids"], self.attention)
         states = self.draft(
             batch["aux"],
             batch["input_ids"],
             batch["position_ids"],
-            batch["document_ids"],
+            attend,
             self.ttt_steps,
-            self.attention,
         )  # K x [B, T, H]
         target_logits = head.logits(batch["last"])  # [B, T, Vd], once per batch, shared by every step
         target_top1 = head.full_top1(batch["last"]) if exact_top1 else head.draft_to_target(target_logits.argmax(-1))

@@ -13,9 +13,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap, record_files
 from eagle3_core.config import PipelineConfig
-from eagle3_core.draft import DraftConfig, Eagle3Draft
+from eagle3_core.draft.export import export_draft, load_exported
+from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
-from eagle3_core.export import export_draft
 from eagle3_core.files import sha256_json, write_text_atomic
 from eagle3_core.preflight import preflight_training
 from eagle3_core.progress import ProgressCallback, ignore_progress
@@ -92,7 +92,7 @@ def build_draft(config: PipelineConfig, target: TargetModel, draft_config: Draft
     torch.manual_seed(config.training.seed)
     draft = Eagle3Draft.from_target(draft_config, target.root_path, t2d, d2t)
     if config.training.warm_start:
-        previous = Eagle3Draft.from_exported(config.training.warm_start, target.root_path)
+        previous = load_exported(config.training.warm_start, target.root_path)
         warm_start(draft, previous, config.training.warm_start)
     return draft
 

@@ -26,9 +26,9 @@ from eagle3_core.extraction import extract_hidden_states
 from eagle3_core.files import DiskFullError, free_bytes
 from eagle3_core.preflight import PreflightError
 from eagle3_core.progress import ProgressUpdate
-from eagle3_core.sample_table import iter_rows, read_part, write_part
-from eagle3_core.sampling import sample_prompts
-from eagle3_core.serving import VllmServer
+from eagle3_core.sampling.phase import sample_prompts
+from eagle3_core.sampling.table import iter_rows, read_part, write_part
+from eagle3_core.serving.engine import VllmServer
 from eagle3_core.training.state import LATEST, latest_state, save_state
 
 BALLAST = "ballast.bin"

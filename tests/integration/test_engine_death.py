@@ -22,10 +22,11 @@ from prefect.client.orchestration import get_client
 from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, ENGINE_START, RESUME, WEIGHT_LOAD, RunEvents
-from eagle3_core.extraction.phase import DONE_SUFFIX, OUT_DIR, training_rows
+from eagle3_core.extraction.layout import OUT_DIR
+from eagle3_core.extraction.phase import DONE_SUFFIX, training_rows
 from eagle3_core.extraction.storage import shard_name
 from eagle3_core.faults import ENV
-from eagle3_core.sample_table import read_part
+from eagle3_core.sampling.table import read_part
 from tasks.extraction import extract_hidden_states_task
 from tasks.policy import configured
 from tasks.sampling import sample_prompts_task

@@ -46,7 +46,7 @@ def pipeline_config(run_dir: Path, **evaluation) -> PipelineConfig:
 def trained(smollm2_target: TargetModel, tmp_path_factory: pytest.TempPathFactory):
     """SampleSet and DraftCheckpoint of a small run of the real pipeline."""
     from eagle3_core.extraction import extract_hidden_states
-    from eagle3_core.sampling import sample_prompts
+    from eagle3_core.sampling.phase import sample_prompts
     from eagle3_core.training import train_draft
     from eagle3_core.vocab import build_vocab_map
 
@@ -63,7 +63,7 @@ def trained(smollm2_target: TargetModel, tmp_path_factory: pytest.TempPathFactor
 def test_speculative_output_equals_greedy_on_smollm2(smollm2_target: TargetModel, trained) -> None:
     from transformers import AutoTokenizer
 
-    from eagle3_core.draft import Eagle3Draft
+    from eagle3_core.draft.export import load_exported
     from eagle3_core.evaluation.phase import export_dir
     from eagle3_core.evaluation.prompts import holdout_prompts, humaneval_prompts
     from eagle3_core.evaluation.speculative import (
@@ -79,7 +79,7 @@ def test_speculative_output_equals_greedy_on_smollm2(smollm2_target: TargetModel
     with torch_threads(1):
         model = load_target(smollm2_target.root_path, "float32", torch.device("cpu"))
         tokenizer = AutoTokenizer.from_pretrained(smollm2_target.root_path)
-        draft = Eagle3Draft.from_exported(export_dir(checkpoint), smollm2_target.root_path).eval()
+        draft = load_exported(export_dir(checkpoint), smollm2_target.root_path).eval()
         eos = eos_token_ids(model, tokenizer)
         accepted = 0
         for prompt in prompts:

@@ -25,7 +25,8 @@ from eagle3_core.faults import ENV
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-EAGLE3 = str(Path(sys.executable).parent / "eagle3")
+# The `eagle3` console script, run as `python -m cli` so it is this checkout's even before a reinstall.
+EAGLE3 = [sys.executable, "-m", "cli"]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def is_alive(pid: int) -> bool:
 
 def test_terminating_a_run_during_sampling_leaves_no_engine(prefect_env: dict, tmp_path: Path):
     config, run_dir = write_config(tmp_path, "cancelled", max_prompts=200, max_tokens=256)
-    run = subprocess.Popen([EAGLE3, "run", "-c", str(config)], cwd=REPO, env=prefect_env)
+    run = subprocess.Popen([*EAGLE3, "run", "-c", str(config)], cwd=REPO, env=prefect_env)
     try:
         events = RunEvents(run_dir)
         wait_for(lambda: events.count(WEIGHT_LOAD, "sampling") == 1, 600, "the sampling engine")
@@ -105,7 +106,7 @@ def test_two_flows_never_hold_gpu_together(prefect_env: dict, tmp_path: Path):
     runs = []
     for name in ("first", "second"):
         config, _ = write_config(tmp_path, name, max_prompts=8, max_tokens=32)
-        runs.append(subprocess.Popen([EAGLE3, "run", "-c", str(config)], cwd=REPO, env=env))
+        runs.append(subprocess.Popen([*EAGLE3, "run", "-c", str(config)], cwd=REPO, env=env))
     try:
         codes = [run.wait(timeout=900) for run in runs]
     finally:
@@ -121,7 +122,7 @@ def test_prefect_flow_run_retry_resumes_a_failed_run(prefect_env: dict, tmp_path
     """`prefect flow-run retry` re-runs the same flow run: completed phases come back Cached."""
     config, run_dir = write_config(tmp_path, "retried", max_prompts=6, max_tokens=16)
     failed = subprocess.run(
-        [EAGLE3, "run", "-c", str(config)], cwd=REPO, env={**prefect_env, ENV: "sampling:start"}, check=False
+        [*EAGLE3, "run", "-c", str(config)], cwd=REPO, env={**prefect_env, ENV: "sampling:start"}, check=False
     )
     assert failed.returncode != 0
     with get_client(sync_client=True) as client:

@@ -25,7 +25,7 @@ from flows.train_drafter import train_drafter
 pytestmark = pytest.mark.slow
 
 # The tasks import their phase lazily; import them all now so this long module runs one snapshot of the code.
-for phase_module in ("sampling", "extraction.phase", "vocab", "training.phase", "evaluation"):
+for phase_module in ("sampling.phase", "extraction.phase", "vocab", "training.phase", "evaluation"):
     importlib.import_module(f"eagle3_core.{phase_module}")
 
 PHASES = ["prepare_target", "sampling", "extraction", "vocab", "training", "evaluation"]

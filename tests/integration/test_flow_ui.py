@@ -121,7 +121,7 @@ def api_post(base: str, path: str, body: dict) -> list[dict]:
 
 def test_custom_run_from_the_ui_completes(prefect_server, tmp_path: Path):
     base, env = prefect_server
-    subprocess.run([str(BIN / "eagle3"), "deploy"], cwd=REPO, env=env, check=True)
+    subprocess.run([sys.executable, "-m", "cli", "deploy"], cwd=REPO, env=env, check=True)
     deployments = {d["name"]: d for d in api_post(base, "/deployments/filter", {})}
     nightly = deployments["nightly-regenerate"]
     assert [s["schedule"]["cron"] for s in nightly["schedules"]] == ["0 2 * * *"]

@@ -4,8 +4,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3_core.config import TargetConfig
 from eagle3_core.events import CACHE_HIT, WEIGHT_LOAD, RunEvents
-from eagle3_core.models import load_target_tensors
-from eagle3_core.target import prepare_target
+from eagle3_core.target.models import load_target_tensors
+from eagle3_core.target.prepare import prepare_target
 
 pytestmark = pytest.mark.slow
 

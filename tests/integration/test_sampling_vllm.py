@@ -14,12 +14,12 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
-from eagle3_core.cli import app
+from cli.main import app
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, RESUME, RunEvents
-from eagle3_core.sample_table import iter_rows
-from eagle3_core.sampling import SamplingAborted, sample_prompts
-from eagle3_core.serving import PortInUseError, VllmServer
+from eagle3_core.sampling.phase import SamplingAborted, sample_prompts
+from eagle3_core.sampling.table import iter_rows
+from eagle3_core.serving.engine import PortInUseError, VllmServer
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from prefect.testing.utilities import prefect_test_harness
 from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import SECRET_KEY_VARIABLE, PipelineConfig, ServerConfig
 from eagle3_core.events import RunEvents
-from eagle3_core.serving import VllmServer
+from eagle3_core.serving.engine import VllmServer
 from tasks.policy import configured
 from tasks.sampling import PHASE, sample_prompts_task
 

@@ -9,7 +9,7 @@ from prefect.blocks.system import Secret
 from prefect.testing.utilities import prefect_test_harness
 
 from eagle3_core.config import SECRET_KEY_VARIABLE, ConfigError, PipelineConfig, dump_config, load_config
-from eagle3_core.serving import api_key_of
+from eagle3_core.serving.engine import api_key_of
 from tasks.secrets import export_api_key
 
 KEY = "sk-unit-3b9e0f27c1"

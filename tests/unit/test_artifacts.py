@@ -1,9 +1,12 @@
 import json
 import os
+from pathlib import Path
 
 import pytest
 
+from eagle3_core import artifacts
 from eagle3_core.artifacts import ArtifactInvalid, FileRecord, SampleSet, VocabMap
+from eagle3_core.files import sha256_file
 
 
 def make_manifest(root, **fields) -> SampleSet:
@@ -54,10 +57,20 @@ def test_validate_catches_truncated_file(tmp_path):
         manifest.validate()
 
 
-def test_touched_but_identical_file_still_valid(tmp_path):
+def test_touched_but_identical_file_still_valid(tmp_path, monkeypatch):
     manifest = make_manifest(tmp_path)
-    os.utime(tmp_path / "parts" / "part-0.bin", None)
-    manifest.validate()
+    touched = tmp_path / "parts" / "part-0.bin"
+    mtime_ns = touched.stat().st_mtime_ns + 10**9
+    os.utime(touched, ns=(mtime_ns, mtime_ns))
+    hashed = []
+
+    def spy(path, *args, **kwargs):
+        hashed.append(Path(path).name)
+        return sha256_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(artifacts, "sha256_file", spy)
+    assert manifest.is_valid()
+    assert hashed == ["part-0.bin"], "the touched file is re-hashed (and matches); the untouched one is not"
 
 
 def test_edited_manifest_is_refused(tmp_path):

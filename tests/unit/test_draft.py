@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3_core.draft import DraftConfig, DraftKVCache, Eagle3Draft
+from eagle3_core.draft.model import DraftConfig, DraftKVCache, Eagle3Draft
 from eagle3_core.training.attention import (
     TTTAttention,
     document_causal_mask,
@@ -90,11 +90,16 @@ def random_batch(draft: Eagle3Draft, lengths: list[int], seed: int = 2):
     return aux, input_ids, position_ids, document_ids
 
 
+def unroll(draft: Eagle3Draft, aux, input_ids, position_ids, document_ids, ttt_steps: int) -> list[torch.Tensor]:
+    """The training unroll, with the attention training gives the draft."""
+    return draft(aux, input_ids, position_ids, TTTAttention.for_documents(document_ids), ttt_steps)
+
+
 def test_packed_documents_do_not_see_each_other() -> None:
     draft = tiny_draft()
     aux, input_ids, position_ids, document_ids = random_batch(draft, [7, 6])
-    packed = draft(aux, input_ids, position_ids, document_ids, ttt_steps=3)
-    alone = draft(aux[:, 7:], input_ids[:, 7:], position_ids[:, 7:], document_ids[:, 7:] - 1, ttt_steps=3)
+    packed = unroll(draft, aux, input_ids, position_ids, document_ids, ttt_steps=3)
+    alone = unroll(draft, aux[:, 7:], input_ids[:, 7:], position_ids[:, 7:], document_ids[:, 7:] - 1, ttt_steps=3)
     for step in range(3):
         # Index i of the second document at step k is valid while i + k + 2 stays inside it.
         valid = 6 - step - 2
@@ -106,7 +111,7 @@ def test_decoding_chain_equals_training_unroll() -> None:
     draft = tiny_draft()
     steps, length = 3, 10
     aux, input_ids, position_ids, document_ids = random_batch(draft, [length])
-    trained = draft(aux, input_ids, position_ids, document_ids, ttt_steps=steps)
+    trained = unroll(draft, aux, input_ids, position_ids, document_ids, ttt_steps=steps)
     for start in (0, 4):  # chain after position `start`
         cache = DraftKVCache()
         _, hidden = draft.step(cache, draft.combine_aux(aux[0, : start + 1]), input_ids[0, 1 : start + 2])

@@ -17,7 +17,7 @@ import pytest
 
 from eagle3_core.faults import ENGINE_MODULE, ENV, faulting_progress, parse_engine_kill
 from eagle3_core.progress import ProgressUpdate
-from eagle3_core.server_processes import alive
+from eagle3_core.serving.processes import alive
 
 ENGINE = "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
 ENGINE += "time.sleep(120)"

@@ -97,7 +97,7 @@ def test_a_held_out_prompt_seen_in_training_fails_before_measuring(setup, tmp_pa
 def test_cli_evaluate_exits_1_when_the_guard_fails_and_0_when_it_passes(setup, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from eagle3_core.cli import app
+    from cli.main import app
 
     target, _, checkpoint = setup
     settings = [f"run_dir={tmp_path}", f"target.model={target.root}", "evaluation.with_vllm=false",

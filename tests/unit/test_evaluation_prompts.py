@@ -16,7 +16,7 @@ from eagle3_core.evaluation.prompts import (
     humaneval_prompts,
     training_prompts,
 )
-from eagle3_core.sample_table import is_heldout, write_part
+from eagle3_core.sampling.table import is_heldout, write_part
 
 FRACTION = 0.25
 

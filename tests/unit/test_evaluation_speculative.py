@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eagle3_core.artifacts import TargetModel
-from eagle3_core.draft import DraftConfig, DraftKVCache
+from eagle3_core.draft.model import DraftConfig, DraftKVCache
 from eagle3_core.evaluation.speculative import (
     eos_token_ids,
     greedy_generate,
@@ -17,7 +17,7 @@ from eagle3_core.evaluation.speculative import (
     speculative_generate,
     torch_threads,
 )
-from eagle3_core.models import default_aux_layer_ids
+from eagle3_core.target.models import default_aux_layer_ids
 from tests.evaluation_fixtures import random_draft, varied_tiny_target
 
 MESSAGES = [

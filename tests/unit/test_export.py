@@ -1,5 +1,5 @@
 """The exported folder: exactly the names and shapes vLLM loads, the aux ids in both places, and a
-round trip through `Eagle3Draft.from_exported`."""
+round trip through `load_exported`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_core.draft import DraftKVCache, Eagle3Draft
-from eagle3_core.export import check_checkpoint, checkpoint_tensors, export_draft
+from eagle3_core.draft.export import check_checkpoint, checkpoint_tensors, export_draft, load_exported
+from eagle3_core.draft.model import DraftKVCache, Eagle3Draft
 from tests.unit.test_draft import tiny_draft
 
 
@@ -53,12 +53,12 @@ def test_export_refuses_missing_misnamed_or_misshaped_tensors() -> None:
         check_checkpoint({**good, "d2t": good["d2t"] + 1000}, draft.config)
 
 
-def test_from_exported_round_trip(tmp_path) -> None:
+def test_load_exported_round_trip(tmp_path) -> None:
     draft = float_draft()
     export_draft(draft, tmp_path, dtype=torch.float32)
     weights = load_file(tmp_path / "model.safetensors")
     save_file({**weights, "embed_tokens.weight": draft.embed_tokens.weight.detach()}, tmp_path / "model.safetensors")
-    loaded = Eagle3Draft.from_exported(tmp_path)
+    loaded = load_exported(tmp_path)
     for name, tensor in draft.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     aux = torch.randn(5, 3, 32)
@@ -66,7 +66,7 @@ def test_from_exported_round_trip(tmp_path) -> None:
     assert torch.equal(draft.propose(DraftKVCache(), aux, ids, 3)[0], loaded.propose(DraftKVCache(), aux, ids, 3)[0])
 
 
-def test_from_exported_needs_embeddings(tmp_path) -> None:
+def test_load_exported_needs_embeddings(tmp_path) -> None:
     export_draft(float_draft(), tmp_path)
     with pytest.raises(ValueError, match="embed_tokens"):
-        Eagle3Draft.from_exported(tmp_path)
+        load_exported(tmp_path)

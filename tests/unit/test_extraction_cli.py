@@ -8,8 +8,8 @@ import json
 from extraction_fixtures import build_sample_set
 from typer.testing import CliRunner, Result
 
+from cli.main import app
 from eagle3_core.artifacts import HiddenStateSet
-from eagle3_core.cli import app
 
 
 def extract_tiny(run_dir, tiny_llama, *overrides: str) -> Result:

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from eagle3_core.extraction.vllm_backend import ServerAnswerError, VllmBackend
-from eagle3_core.serving import EngineDied
+from eagle3_core.serving.engine import EngineDied
 from tasks.policy import is_deterministic
 
 ROWS = [{"id": f"s{i}", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]} for i in range(4)]

@@ -17,7 +17,7 @@ from eagle3_core.extraction import extract_hidden_states
 from eagle3_core.extraction.hf_backend import HfBackend
 from eagle3_core.extraction.reader import HiddenStateDataset
 from eagle3_core.extraction.storage import FP8_MAX_RELATIVE_ERROR
-from eagle3_core.sample_table import is_heldout, iter_rows
+from eagle3_core.sampling.table import is_heldout, iter_rows
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -16,7 +19,7 @@ from eagle3_core.extraction.storage import (
     dequantize_fp8,
     quantize_fp8,
     read_sample,
-    shard_sample_ids,
+    read_shard_metadata,
     write_shard,
 )
 
@@ -34,6 +37,11 @@ def sample(sample_id: str, tokens: int, seed: int) -> SampleStates:
         aux=aux,
         last=torch.randn(tokens, H, generator=gen),
     )
+
+
+def shard_sample_ids(path: Path) -> list[str]:
+    """The sample ids a shard's metadata lists, in order."""
+    return json.loads(read_shard_metadata(path)["sample_ids"])
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])

@@ -1,5 +1,5 @@
 """The flow's crash/cancel hook stops what a pid file in the run directory names: a real process group
-(a stand-in for a vLLM server and its workers), stopped through eagle3_core.serving.stop_server."""
+(a stand-in for a vLLM server and its workers), stopped through eagle3_core.serving.engine.stop_server."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eagle3_core.events import WEIGHT_LOAD, RunEvents
-from eagle3_core.models import check_layer_ids, default_aux_layer_ids, load_target_tensors
+from eagle3_core.target.models import check_layer_ids, default_aux_layer_ids, load_target_tensors
 
 
 @pytest.mark.parametrize(("layers", "ids"), [(30, [2, 15, 27]), (61, [2, 30, 58]), (32, [2, 16, 29])])

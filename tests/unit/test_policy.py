@@ -5,6 +5,7 @@ fault injection. The tasks here are small real tasks that write and record real 
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import os
 import subprocess
@@ -24,14 +25,16 @@ from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.extraction.storage import ShardError
 from eagle3_core.faults import ENV, InjectedFault, check_fault, faulting_progress
 from eagle3_core.progress import ProgressUpdate
-from eagle3_core.serving import EngineDied
+from eagle3_core.serving.engine import EngineDied
 from tasks.gpu import ensure_concurrency_limit
 from tasks.policy import (
     PhaseCachePolicy,
+    config_node,
     configured,
     is_deterministic,
     phase_task_options,
     result_storage_dir,
+    run_gpu_phase,
     run_phase,
     select_fields,
 )
@@ -58,6 +61,20 @@ def key_of(policy: PhaseCachePolicy, config: PipelineConfig, **upstream: Manifes
 def test_select_fields_takes_sections_and_fields_minus_exclusions():
     data = {"a": {"x": 1, "y": 2}, "b": {"z": 3, "w": 4}}
     assert select_fields(data, ("a", "b.z"), ("a.y",)) == {"a": {"x": 1}, "b.z": 3}
+    with pytest.raises(ValueError, match=r"'a\.why' names no field"):
+        select_fields(data, ("a", "b.z"), ("a.why",))
+    with pytest.raises(ValueError, match=r"'b\.z\.deeper' names no field"):
+        select_fields(data, ("b.z.deeper",), ())
+
+
+@pytest.mark.parametrize("module", ["target", "sampling", "extraction", "vocab", "training", "evaluation"])
+def test_every_phase_policy_names_fields_of_the_config_tree(module: str):
+    """Each include and exclude path of the phase tasks' cache policies is a field of `PipelineConfig`."""
+    policy = importlib.import_module(f"tasks.{module}").POLICY
+    data = PipelineConfig().model_dump(mode="json")
+    for path in (*policy.include, *policy.exclude):
+        config_node(data, path)
+    select_fields(data, policy.include, policy.exclude)
 
 
 def test_key_ignores_operational_fields_and_follows_content(config: PipelineConfig):
@@ -319,3 +336,30 @@ def test_two_flows_never_hold_gpu_at_once(tmp_path: Path):
     assert [kind for kind, _ in lines] == ["start", "end", "start", "end"]
     assert float(lines[2][1]) >= float(lines[1][1])
     assert time.monotonic() - start >= 6
+
+
+def test_run_gpu_phase_hands_the_phase_its_events_and_progress_between_the_fault_points(tmp_path, monkeypatch):
+    config = PipelineConfig(run_dir=tmp_path)
+    calls = []
+
+    def phase(events, progress):
+        calls.append(events.path)
+        progress(ProgressUpdate(phase="sampling", stage="requests", done=3, total=9, unit="requests"))
+        return "manifest"
+
+    @task
+    def phase_task(fault: str) -> str:
+        monkeypatch.setenv(ENV, fault)
+        try:
+            # `shared`: a shared server holds the gpu slot, so none is taken here.
+            return run_gpu_phase("sampling", config, phase, shared=object())
+        except InjectedFault as exc:
+            return str(exc)
+
+    @flow
+    def phase_flow() -> list[str]:
+        return [phase_task(fault) for fault in ("", "sampling:requests=3", "sampling:start")]
+
+    done, mid_work, at_start = phase_flow()
+    assert done == "manifest" and "requests=3" in mid_work and "start" in at_start
+    assert calls == [tmp_path / "events.jsonl"] * 2, "the start fault fires before the phase runs"

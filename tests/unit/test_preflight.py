@@ -27,7 +27,7 @@ from eagle3_core.preflight import (
     sample_set_target_problems,
     target_files_problems,
 )
-from eagle3_core.target import describe_folder
+from eagle3_core.target.prepare import describe_folder
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3_core.prompts import DEMO, PromptFileError, load_prompts, prompt_id
+from eagle3_core.sampling.prompts import DEMO, PromptFileError, load_prompts, prompt_id
 
 
 def write_jsonl(path, records):

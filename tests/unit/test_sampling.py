@@ -12,12 +12,12 @@ from typing import ClassVar
 
 import pytest
 
-from eagle3_core import sampling
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, RESUME, RunEvents
-from eagle3_core.prompts import PromptFileError
-from eagle3_core.sample_table import iter_rows, read_part
-from eagle3_core.serving import ExternalServer
+from eagle3_core.sampling import phase as sampling
+from eagle3_core.sampling.prompts import PromptFileError
+from eagle3_core.sampling.table import iter_rows, read_part
+from eagle3_core.serving.engine import ExternalServer
 
 
 class ScriptedServer(BaseHTTPRequestHandler):

@@ -16,10 +16,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eagle3_core import server_processes, serving
 from eagle3_core.config import ServerConfig
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.progress import ProgressUpdate
+from eagle3_core.serving import engine as serving
+from eagle3_core.serving import processes as server_processes
 
 FAKE_SERVER = textwrap.dedent(
     """
@@ -193,7 +194,7 @@ def test_occupied_port_is_a_clear_error(tmp_path, fake_engine):
         server = serving.VllmServer(fake_engine(port=port), "model", tmp_path, RunEvents(tmp_path))
         with pytest.raises(serving.PortInUseError, match=f"port {port} on 127.0.0.1 is already in use"):
             server.start()
-    assert server.process is None and not (tmp_path / "server" / "sampling.pid").exists()
+    assert server.process is None and not (tmp_path / "server" / "engine.pid").exists()
 
 
 def test_stop_server_hook_stops_by_pid_file(tmp_path, fake_engine):

@@ -1,11 +1,12 @@
-"""Pure parts of eagle3_core.serving: the command, log parsing, the log tail, GPU-release waiting."""
+"""Pure parts of eagle3_core.serving.engine: the command, log parsing, the log tail, GPU-release waiting."""
 
 from __future__ import annotations
 
 import pytest
 
-from eagle3_core import server_processes, serving
 from eagle3_core.config import ServerConfig
+from eagle3_core.serving import engine as serving
+from eagle3_core.serving import processes as server_processes
 
 WORKER = "(Worker_TP0 pid=340648) "
 
@@ -100,9 +101,18 @@ def test_parse_compute_apps():
     assert server_processes.parse_compute_apps(text) == {340648: 71370, 340649: 71002}
 
 
-def test_gpu_release_waits_then_passes():
-    answers = iter([{11: 500, 99: 10}, {11: 20}, {99: 10}])
-    server_processes.wait_gpu_release({11, 12}, timeout_s=10, query=lambda: next(answers))
+def test_gpu_release_waits_then_passes(monkeypatch):
+    answers = [{11: 500, 99: 10}, {11: 20}, {99: 10}]  # pid 11 holds memory for two polls; 99 is not ours
+    queries, sleeps = [], []
+    monkeypatch.setattr(server_processes.time, "sleep", sleeps.append)
+
+    def query():
+        queries.append(len(queries))
+        return answers[len(queries) - 1]
+
+    server_processes.wait_gpu_release({11, 12}, timeout_s=10, query=query)
+    assert len(queries) == 3, "returns at the first answer where none of our pids holds memory"
+    assert sleeps == [server_processes.POLL_S] * 2, "and sleeps between the polls that still saw pid 11"
 
 
 def test_gpu_release_timeout_names_pids_still_holding():
@@ -110,5 +120,8 @@ def test_gpu_release_timeout_names_pids_still_holding():
         server_processes.wait_gpu_release({11, 12}, timeout_s=0.6, query=lambda: {12: 700, 99: 1})
 
 
-def test_no_gpu_means_nothing_to_wait_for():
-    server_processes.wait_gpu_release({1}, timeout_s=0, query=lambda: None)
+def test_no_gpu_means_nothing_to_wait_for(monkeypatch):
+    queries, sleeps = [], []
+    monkeypatch.setattr(server_processes.time, "sleep", sleeps.append)
+    server_processes.wait_gpu_release({1}, timeout_s=0, query=lambda: queries.append(1))  # None: no GPU tool
+    assert queries == [1] and sleeps == [], "one query, no wait, no timeout error"

@@ -15,8 +15,8 @@ from vllm import SamplingParams
 from eagle3_core.config import ConfigError, PipelineConfig
 from eagle3_core.events import DECISION, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction.connector import EXTRACT_REQUEST, HiddenStatesConnector, wants_hidden_states
-from eagle3_core.prompts import load_prompts
-from eagle3_core.reuse_decision import (
+from eagle3_core.sampling.prompts import load_prompts
+from eagle3_core.sampling.reuse_decision import (
     estimate_reuse,
     last_engine_start_s,
     last_seconds_per_prompt,
@@ -25,8 +25,8 @@ from eagle3_core.reuse_decision import (
     reuse_saves_time,
     sampling_slowdown_s,
 )
-from eagle3_core.sample_store import PartWriter, prepare_sample_dir, run_key
-from eagle3_core.shared_server import SharedServer, running_server
+from eagle3_core.sampling.store import SampleStore
+from eagle3_core.serving.shared import SharedServer, running_server
 from tasks.shared_server import sampling_and_extraction_server
 
 # --- the connector writes states only for requests that ask ------------------------------------------
@@ -127,9 +127,9 @@ def test_only_prompts_without_an_ok_row_of_the_same_parameters_count_as_pending(
     config = small_config(tmp_path, "auto")
     assert pending_prompts(config, smollm2_target) == 20, "nothing sampled yet"
     prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
-    samples = config.run_dir / "samples"
-    prepare_sample_dir(samples, run_key(config, smollm2_target, prompts), set(), RunEvents(config.run_dir), "sampling")
-    writer = PartWriter(samples, rows_per_part=2)
+    store = SampleStore.of_run(config, smollm2_target, prompts, RunEvents(config.run_dir))
+    store.resume(set())
+    writer = store.writer(rows_per_part=2)
     for prompt, status in zip(prompts, ["ok", "ok", "error", "skipped"], strict=False):
         writer.add({"id": prompt.id, "messages": prompt.messages, "status": status})
     writer.flush()

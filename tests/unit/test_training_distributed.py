@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from eagle3_core.config import TrainingConfig
 from eagle3_core.events import RunEvents
-from eagle3_core.serving import free_port
+from eagle3_core.serving.engine import free_port
 from tests.unit.test_training_loop import setup, synthetic_data
 
 

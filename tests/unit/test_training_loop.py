@@ -11,6 +11,7 @@ import torch
 
 from eagle3_core.config import TrainingConfig
 from eagle3_core.events import RESUME, RunEvents
+from eagle3_core.faults import ENV, InjectedFault, faulting_progress
 from eagle3_core.training.distributed import Group
 from eagle3_core.training.loop import (
     BatchPrefetcher,
@@ -62,7 +63,7 @@ def config(**overrides) -> TrainingConfig:
     return TrainingConfig(max_steps=8, checkpoint_every=3, lr=3e-3, batch_size=2, **overrides)
 
 
-def test_resumed_run_ends_bit_for_bit_where_uninterrupted_run_ends(tmp_path: Path) -> None:
+def test_resumed_run_ends_bit_for_bit_where_uninterrupted_run_ends(tmp_path: Path, monkeypatch) -> None:
     data = synthetic_data(6)
     events = RunEvents(tmp_path)
     objective, head = setup()
@@ -71,8 +72,14 @@ def test_resumed_run_ends_bit_for_bit_where_uninterrupted_run_ends(tmp_path: Pat
     straight = {k: v.clone() for k, v in objective.state_dict().items()}
 
     objective, head = setup()
-    steps, _ = run_training(objective, head, data, None, config(), tmp_path / "resumed", CPU, events, stop_after=5)
-    assert steps == 5 and latest_state(tmp_path / "resumed").name == "step-00000003.pt"
+    # The run fails after step 5, as a crash there would (the fault injection the phases use; every step reported).
+    monkeypatch.setenv(ENV, "training:steps=5")
+    updates = []
+    crashing = faulting_progress("training", updates.append)
+    with pytest.raises(InjectedFault):
+        run_training(objective, head, data, None, config(), tmp_path / "resumed", CPU, events, crashing, 0.0)
+    monkeypatch.delenv(ENV)
+    assert updates[-1].done == 5 and latest_state(tmp_path / "resumed").name == "step-00000003.pt"
     objective, head = setup()  # a fresh process; its trainable weights are not even the initial ones
     with torch.no_grad():
         for parameter in objective.parameters():
@@ -112,7 +119,7 @@ def test_schedule_and_batches() -> None:
 
 
 def test_validation_split_is_salted_against_the_evaluation_holdout() -> None:
-    from eagle3_core.sample_table import is_heldout
+    from eagle3_core.sampling.table import is_heldout
 
     ids = [f"p{i}" for i in range(2000)]
     extracted = [s for s in ids if not is_heldout(s, 0.1)]  # what extraction keeps
@@ -199,9 +206,7 @@ def test_history_is_the_same_whatever_the_report_interval(tmp_path: Path) -> Non
         updates = []
         tc = config()
         state_dir = tmp_path / str(interval)
-        run_training(
-            objective, head, data, None, tc, state_dir, CPU, RunEvents(tmp_path), updates.append, None, interval
-        )
+        run_training(objective, head, data, None, tc, state_dir, CPU, RunEvents(tmp_path), updates.append, interval)
         histories.append(torch.load(latest_state(state_dir), weights_only=False)["history"])
         messages.append([(u.done, u.message.split(" tok/s")[0].rsplit(" ", 1)[0]) for u in updates])
     assert histories[0] == histories[1] and len(histories[0]) == 8

@@ -15,10 +15,18 @@ from eagle3_core.training.loss import (
     TTTObjective,
     acceptance_counts,
     acceptance_summary,
-    fused_soft_cross_entropy,
+    fused_soft_cross_entropy_rows,
     step_valid,
 )
-from tests.unit.test_draft import random_batch, tiny_draft
+from tests.unit.test_draft import random_batch, tiny_draft, unroll
+
+
+def fused_soft_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, target_logits: torch.Tensor, row_weights: torch.Tensor, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_soft_cross_entropy_rows` with target row n = target_logits[n]: (weighted loss sum, argmax)."""
+    loss, _, top1 = fused_soft_cross_entropy_rows(hidden, weight, target_logits, row_weights, None, None, chunk)
+    return loss, top1
 
 
 def test_fused_soft_cross_entropy_matches_autograd() -> None:
@@ -77,7 +85,7 @@ def test_objective_scores_each_step_against_the_shifted_target_row() -> None:
     loss, stats, _, valid = objective(batch, head)
     loss.backward()
     assert draft.fc.weight.grad is not None and draft.embed_tokens.weight.grad is None
-    states = draft(aux, input_ids, position_ids, document_ids, 3)
+    states = unroll(draft, aux, input_ids, position_ids, document_ids, 3)
     target_logits = last @ head.weight.T
     want = 0.0
     for step in range(3):

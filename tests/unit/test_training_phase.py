@@ -11,7 +11,8 @@ from extraction_fixtures import build_sample_set
 from safetensors.torch import load_file
 
 from eagle3_core.config import PipelineConfig
-from eagle3_core.draft import DraftKVCache, Eagle3Draft
+from eagle3_core.draft.export import load_exported
+from eagle3_core.draft.model import DraftKVCache
 from eagle3_core.events import CACHE_HIT, RunEvents
 from eagle3_core.extraction import extract_hidden_states
 from eagle3_core.training import train_draft
@@ -51,7 +52,7 @@ def test_train_draft_end_to_end(request, tmp_path, sample_set, target_name) -> N
     assert exported_config["eagle_aux_hidden_state_layer_ids"] == hidden.layer_ids
     assert exported_config["draft_vocab_size"] == 300
     assert exported_config["hidden_size"] == target.hidden_size
-    draft = Eagle3Draft.from_exported(export, target.root_path)
+    draft = load_exported(export, target.root_path)
     tokens, _ = draft.propose(DraftKVCache(), torch.randn(5, 3, target.hidden_size), torch.arange(5), 3)
     assert bool(draft.t2d[tokens].all())
     assert (checkpoint.root_path / "state" / "step-00000004.pt").exists()

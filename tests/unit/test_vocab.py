@@ -11,7 +11,7 @@ import torch
 from eagle3_core.artifacts import SampleSet, TargetModel, record_files
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, RunEvents
-from eagle3_core.sample_table import is_heldout, write_part
+from eagle3_core.sampling.table import is_heldout, write_part
 from eagle3_core.vocab import (
     StaleVocabMap,
     build_vocab_map,
@@ -21,7 +21,6 @@ from eagle3_core.vocab import (
     load_vocab_tensors,
     mapping_tensors,
     select_draft_tokens,
-    target_to_draft,
 )
 
 VOCAB = 50
@@ -59,6 +58,12 @@ def rows_for(seed: int, count: int = 40) -> list[dict]:
         ids = torch.randint(0, VOCAB, (12,), generator=generator).tolist()
         rows.append({"id": f"s{seed}-{i}", "input_ids": ids, "loss_mask": [0] * 4 + [1] * 8})
     return rows
+
+
+def target_to_draft(target_ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """Draft id of each target id, -1 where the token is outside the draft vocabulary."""
+    draft_index = torch.cumsum(t2d.long(), 0) - 1
+    return torch.where(t2d[target_ids], draft_index[target_ids], -1)
 
 
 def test_counts_only_loss_masked_tokens() -> None:

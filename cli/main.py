@@ -58,8 +58,8 @@ def phase_failures() -> Iterator[None]:
     from eagle3_core.extraction.storage import ShardError
     from eagle3_core.files import DiskFullError
     from eagle3_core.preflight import PreflightError
-    from eagle3_core.prompts import PromptFileError
-    from eagle3_core.serving import ServerError
+    from eagle3_core.sampling.prompts import PromptFileError
+    from eagle3_core.serving.engine import ServerError
 
     try:
         yield
@@ -88,7 +88,7 @@ def prepare_target_command(
     set_: SetOption = None,
 ) -> None:
     """Convert the embedded target (once) or describe a local folder, and print its manifest."""
-    from eagle3_core.target import prepare_target
+    from eagle3_core.target.prepare import prepare_target
 
     cfg = resolve_config(config, (set_ or []) + ([f"target.model={model}"] if model else []))
     target = prepare_target(cfg.target, run_events(cfg))
@@ -157,7 +157,7 @@ def extract_command(
     from eagle3_core.artifacts import SampleSet
     from eagle3_core.extraction import extract_hidden_states
     from eagle3_core.progress import rich_progress
-    from eagle3_core.target import prepare_target
+    from eagle3_core.target.prepare import prepare_target
 
     cfg = resolve_config(config, set_)
     events = run_events(cfg)
@@ -183,7 +183,7 @@ def evaluate_command(
     from eagle3_core.evaluation.phase import checkpoint_of
     from eagle3_core.evaluation.report import AcceptanceBelowFloor
     from eagle3_core.progress import rich_progress
-    from eagle3_core.target import prepare_target
+    from eagle3_core.target.prepare import prepare_target
 
     cfg = resolve_config(config, set_)
     events = run_events(cfg)
@@ -213,8 +213,8 @@ def sample_command(config: ConfigOption = None, set_: SetOption = None) -> None:
     """Sample the target's answers to the prompts (starting and stopping a vLLM server, or using
     server.url); resumes by prompt id. Writes <run_dir>/samples/ and prints the accounting."""
     from eagle3_core.progress import rich_progress
-    from eagle3_core.sampling import sample_prompts
-    from eagle3_core.target import prepare_target
+    from eagle3_core.sampling.phase import sample_prompts
+    from eagle3_core.target.prepare import prepare_target
 
     cfg = resolve_config(config, set_)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one log line per request otherwise
@@ -243,7 +243,7 @@ def vocab_command(
     """Build the draft vocabulary from loss-masked tokens of the training rows (reused only for the same
     SampleSet); prints its size and coverage."""
     from eagle3_core.artifacts import SampleSet
-    from eagle3_core.target import prepare_target
+    from eagle3_core.target.prepare import prepare_target
     from eagle3_core.vocab import build_vocab_map
 
     cfg = resolve_config(config, set_)
@@ -263,7 +263,7 @@ def train_command(config: ConfigOption = None, set_: SetOption = None) -> None:
     state); exports the vLLM-loadable folder to <run_dir>/draft/export. Under torchrun: one process per GPU."""
     from eagle3_core.artifacts import HiddenStateSet, VocabMap
     from eagle3_core.progress import rich_progress
-    from eagle3_core.target import prepare_target
+    from eagle3_core.target.prepare import prepare_target
     from eagle3_core.training import train_draft
 
     cfg = resolve_config(config, set_)
@@ -286,7 +286,7 @@ def export_command(
 ) -> None:
     """Export a training state (e.g. an intermediate step) as an EAGLE-3 folder vLLM and SGLang load."""
     from eagle3_core.artifacts import HiddenStateSet, VocabMap
-    from eagle3_core.target import prepare_target
+    from eagle3_core.target.prepare import prepare_target
     from eagle3_core.training.phase import export_training_state
 
     cfg = resolve_config(config, set_)

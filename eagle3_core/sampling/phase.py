@@ -16,34 +16,29 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from eagle3_core.artifacts import SampleSet, TargetModel
-from eagle3_core.chat_tokens import ChatTokenizer, split_reasoning
 from eagle3_core.config import PipelineConfig, SamplingConfig
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.preflight import preflight_sampling
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
-from eagle3_core.prompts import Prompt, load_prompts
-from eagle3_core.sample_store import (
-    PartWriter,
-    cached_sample_set,
-    finish_sample_set,
-    prepare_sample_dir,
-    run_key,
+from eagle3_core.sampling.chat_tokens import ChatTokenizer, split_reasoning
+from eagle3_core.sampling.prompts import Prompt, load_prompts
+from eagle3_core.sampling.store import PartWriter, SampleStore
+from eagle3_core.serving.engine import (
+    ENGINE_EXIT_WAIT_S,
+    EngineDied,
+    EngineExit,
+    ExternalServer,
+    VllmServer,
+    open_server,
 )
-from eagle3_core.serving import ENGINE_EXIT_WAIT_S, EngineDied, EngineExit, ExternalServer, VllmServer, open_server
-from eagle3_core.shared_server import SharedServer, running_server
+from eagle3_core.serving.shared import SharedServer, running_server
 
 PHASE = "sampling"
-
-
-def engine_running(wait_s: float = 0) -> str | None:
-    """The engine check of a server whose death cannot be observed: never reports one."""
-    return None
 
 
 class SamplingAborted(EngineDied):
@@ -70,7 +65,7 @@ async def post_with_retry(
     body: dict[str, Any],
     retries: int,
     backoff_s: float,
-    engine_exit: EngineExit = engine_running,
+    engine_exit: EngineExit,
 ) -> dict[str, Any]:
     """POST and return the JSON answer. Connection errors, timeouts and 5xx are retried `retries` times
     with doubling delays, unless `engine_exit` reports the engine dead (then `SamplingAborted` at once);
@@ -144,7 +139,7 @@ class Sampler:
         config: SamplingConfig,
         tokens: ChatTokenizer,
         max_model_len: int,
-        engine_exit: EngineExit = engine_running,
+        engine_exit: EngineExit,
     ):
         self.base_url = base_url
         self.api_key = api_key
@@ -258,16 +253,15 @@ def sample_prompts(
 ) -> SampleSet:
     """Sample every prompt once, resuming from rows already written; see the module docstring. A
     SharedServer is started only when there is something to sample."""
-    out_dir = Path(config.run_dir) / "samples"
     prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
-    key = run_key(config, target, prompts)
-    if cached := cached_sample_set(out_dir, key, events, PHASE):
+    store = SampleStore.of_run(config, target, prompts, events)
+    if cached := store.cached():
         return cached
-    kept = prepare_sample_dir(out_dir, key, {p.id for p in prompts}, events, PHASE)
+    kept = store.resume({p.id for p in prompts})
     work = [(i, p) for i, p in enumerate(prompts) if p.id not in kept]
     if work:
-        preflight_sampling(config, target, out_dir, len(work), server is None, events)
-        writer = PartWriter(out_dir, config.sampling.rows_per_part)
+        preflight_sampling(config, target, store.out_dir, len(work), server is None, events)
+        writer = store.writer(config.sampling.rows_per_part)
         counts = RowProgress(progress, len(kept), len(prompts))
         try:
             if server is None:
@@ -277,7 +271,7 @@ def sample_prompts(
                 sample_with(running_server(server, PHASE, progress), config, target, work, writer, counts, events)
         finally:
             writer.flush()
-    return finish_sample_set(out_dir, key, target, prompts)
+    return store.finish(target, prompts)
 
 
 def sample_with(

@@ -30,7 +30,7 @@ from eagle3_core.config import ServerConfig
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.files import write_text_atomic
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
-from eagle3_core.server_processes import (
+from eagle3_core.serving.processes import (
     POLL_S,
     ServerError,
     has_cuda_gpus,
@@ -276,7 +276,9 @@ class ExternalServer:
 
 class VllmServer:
     """A vLLM OpenAI server this process starts and stops. `with VllmServer(...) as server:` stops it on
-    any exit; the pid file `<run_dir>/server/<phase>.pid` lets the next start stop it after a crash."""
+    any exit; the pid file `<run_dir>/server/<phase>.pid` lets the next start stop it after a crash.
+    `phase` is the caller's label for the pid file, the log and the events lines (this layer knows no
+    phase: "engine" when not given)."""
 
     def __init__(
         self,
@@ -286,7 +288,7 @@ class VllmServer:
         events: RunEvents,
         progress: ProgressCallback = ignore_progress,
         extra_args: list[str] | None = None,
-        phase: str = "sampling",
+        phase: str = "engine",
     ):
         self.config = config
         self.model_dir = Path(model_dir)
@@ -480,10 +482,11 @@ def open_server(
     model_dir: Path | str,
     run_dir: Path | str,
     events: RunEvents,
-    progress: ProgressCallback = ignore_progress,
-    phase: str = "sampling",
+    progress: ProgressCallback,
+    phase: str,
 ) -> VllmServer | ExternalServer:
-    """The server `config.server.engine` asks for, not yet started: use it as a context manager."""
+    """The server `config.server.engine` asks for, not yet started: use it as a context manager. `phase`
+    labels a started server's pid file, log and events lines."""
     if config.engine == "external":
         if not config.url:
             raise ServerError("server.engine is 'external' but server.url is not set")

@@ -23,11 +23,10 @@ from typing import Any
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import ConfigError, PipelineConfig
 from eagle3_core.events import DECISION, WEIGHT_LOAD, RunEvents
-from eagle3_core.prompts import load_prompts
-from eagle3_core.sample_store import ok_ids, run_key
+from eagle3_core.sampling.prompts import load_prompts
+from eagle3_core.sampling.store import SampleStore
 
 PHASE = "sampling"
-SAMPLES_DIR = "samples"
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ def weights_bytes(model_dir: Path) -> int:
 def pending_prompts(config: PipelineConfig, target: TargetModel) -> int:
     """Prompts without an ok row in `<run_dir>/samples` made with the same target and parameters."""
     prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
-    ok = ok_ids(Path(config.run_dir) / SAMPLES_DIR, run_key(config, target, prompts))
+    ok = SampleStore.of_run(config, target, prompts, RunEvents(config.run_dir)).ok_ids()
     return sum(p.id not in ok for p in prompts)
 
 

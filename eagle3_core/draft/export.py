@@ -1,5 +1,6 @@
 """Write the EAGLE-3 checkpoint that vLLM (`llama_eagle3.Eagle3LlamaForCausalLM`) and SGLang
-(`LlamaForCausalLMEagle3`) load: `config.json` + `model.safetensors` with the weight names below.
+(`LlamaForCausalLMEagle3`) load: `config.json` + `model.safetensors` with the weight names below, and read
+it back (`load_exported`).
 
 Why the names are checked here and not left to the engine: both engines add their own prefix to every
 name they read (`model.` + name, `midlayer.` -> `layers.0.`) and then copy tensors into parameters that
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagle3_core.draft import DraftConfig, Eagle3Draft
+from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_core.files import atomic_path, write_text_atomic
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -168,3 +169,25 @@ def export_draft(draft: Eagle3Draft, out_dir: Path | str, dtype: torch.dtype = t
     config = out_dir / "config.json"
     write_text_atomic(config, json.dumps(hf_config(draft.config, dtype), indent=2) + "\n")
     return [config, weights]
+
+
+def load_exported(path: Path | str, target_dir: Path | str | None = None) -> Eagle3Draft:
+    """The draft of a folder written by `export_draft`; the embeddings come from the target (`target_dir`)
+    unless the folder holds them."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    draft = Eagle3Draft(config_from_hf(json.loads((path / "config.json").read_text())))
+    weights = load_file(path / "model.safetensors")
+    embeddings = weights.pop("embed_tokens.weight", None)
+    if embeddings is None:
+        if target_dir is None:
+            raise ValueError(f"{path}: no embed_tokens in the export; pass the target's folder")
+        from eagle3_core.target.models import load_target_tensors
+
+        embeddings = load_target_tensors(target_dir, ["embed_tokens"])["embed_tokens"]
+    missing, unexpected = draft.load_state_dict(weights, strict=False)
+    if missing != ["embed_tokens.weight"] or unexpected:
+        raise ValueError(f"{path}: tensors missing {missing} or unexpected {unexpected}")
+    draft.set_embeddings(embeddings)
+    return draft

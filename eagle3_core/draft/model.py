@@ -9,12 +9,12 @@ Conventions (the same in training and decoding, and in vLLM):
 - Token ids given to and returned by the public API are TARGET ids; `lm_head` scores draft ids, mapped with
   `draft_to_target` (target = draft + d2t[draft]).
 
-Imports only torch and safetensors (no pydantic), so the GPU benchmark runs it on a bare torch install.
+Imports only torch (no pydantic), so the GPU benchmark runs it on a bare torch install. It knows nothing of how
+it is trained (the attention of a training unroll is handed in) or exported (`eagle3_core.draft.export`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -282,7 +282,8 @@ class DraftKVCache:
 
 class Eagle3Draft(nn.Module):
     """Training: `forward` unrolls train-time test over a packed batch. Decoding: `step` / `propose` with
-    a `DraftKVCache`. Loading: `from_target` (fresh) and `from_exported` (a folder written by export)."""
+    a `DraftKVCache`. Construction: `from_target` (fresh); `eagle3_core.draft.export.load_exported` reads an
+    exported folder back."""
 
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -344,18 +345,15 @@ class Eagle3Draft(nn.Module):
         aux: torch.Tensor,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        document_ids: torch.Tensor,
+        attend: Attend,
         ttt_steps: int,
-        attention: str = "auto",
     ) -> list[torch.Tensor]:
-        """Train-time test over packed sequences: aux [B, T, 3, Ht], input_ids/position_ids/document_ids
-        [B, T] -> one pre-norm state [B, T, H] per step. Step k at index i predicts token i+k+2; its inputs
-        are the token i+k+1 and (k > 0) the draft's own step k-1 state at index i, at position i+k;
-        it attends to step-0 entries j <= i of the same document and to its own chain (entries i of steps
-        1..k). `attention`: `flex` (GPU), `eager` (any device) or `auto`."""
-        from eagle3_core.training.attention import TTTAttention
-
-        attend = TTTAttention.for_documents(document_ids, attention)
+        """Train-time test over packed sequences: aux [B, T, 3, Ht], input_ids/position_ids [B, T] -> one
+        pre-norm state [B, T, H] per step. Step k at index i predicts token i+k+2; its inputs are the token
+        i+k+1 and (k > 0) the draft's own step k-1 state at index i, at position i+k. `attend` is called once
+        per step, in order, with that step's (q, k, v); the caller's callable decides what each entry sees
+        (in training: step-0 entries j <= i of the same document and its own chain, entries i of steps
+        1..k) and keeps the earlier steps' keys and values."""
         length = input_ids.shape[1]
         # Embedded once, padded with ttt_steps zero ids: step k reads a view (tokens i+k+1 at index i);
         # the padding only reaches indices whose predicted token lies past the end, never scored.
@@ -428,7 +426,7 @@ class Eagle3Draft(nn.Module):
     ) -> Eagle3Draft:
         """A fresh draft: embeddings frozen from the target, lm_head = the target's rows selected by t2d
         and the final norm = the target's, so the untrained head already speaks the target's language."""
-        from eagle3_core.models import load_target_tensors
+        from eagle3_core.target.models import load_target_tensors
 
         tensors = load_target_tensors(target_dir, ["embed_tokens", "norm", "lm_head"])
         draft = cls(config)
@@ -438,32 +436,3 @@ class Eagle3Draft(nn.Module):
             draft.norm.weight.copy_(tensors["norm"].float())
         draft.set_vocab(d2t, t2d)
         return draft
-
-    @classmethod
-    def from_exported(cls, path: Path | str, target_dir: Path | str | None = None) -> Eagle3Draft:
-        """Load a folder written by `eagle3_core.export.export_draft`; the embeddings come from the
-        target (`target_dir`) unless the folder holds them."""
-        from safetensors.torch import load_file
-
-        from eagle3_core.export import config_from_hf
-
-        path = Path(path)
-        draft = cls(config_from_hf(json.loads((path / "config.json").read_text())))
-        weights = load_file(path / "model.safetensors")
-        embeddings = weights.pop("embed_tokens.weight", None)
-        if embeddings is None:
-            if target_dir is None:
-                raise ValueError(f"{path}: no embed_tokens in the export; pass the target's folder")
-            from eagle3_core.models import load_target_tensors
-
-            embeddings = load_target_tensors(target_dir, ["embed_tokens"])["embed_tokens"]
-        missing, unexpected = draft.load_state_dict(weights, strict=False)
-        if missing != ["embed_tokens.weight"] or unexpected:
-            raise ValueError(f"{path}: tensors missing {missing} or unexpected {unexpected}")
-        draft.set_embeddings(embeddings)
-        return draft
-
-
-def parameter_count(draft: Eagle3Draft) -> int:
-    """Trainable parameters (embeddings excluded: they are frozen)."""
-    return sum(p.numel() for p in draft.parameters() if p.requires_grad)

@@ -1,0 +1,1 @@
+"""The EAGLE-3 draft model (`model`) and its export to the layout vLLM and SGLang load (`export`)."""

@@ -1,0 +1,21 @@
+"""What the extraction phase and its backends agree on: the folder under `run_dir` the phase writes, and
+the target layers whose states it stores. Below both, so a backend never imports the phase."""
+
+from __future__ import annotations
+
+from eagle3_core.artifacts import TargetModel
+from eagle3_core.config import ConfigError, PipelineConfig
+from eagle3_core.target.models import check_layer_ids, default_aux_layer_ids
+
+OUT_DIR = "hidden_states"
+
+
+def resolve_layer_ids(config: PipelineConfig, target: TargetModel) -> list[int]:
+    """The configured aux layer ids, or the default for the target's depth; ids that do not fit the target
+    fail here, before any weight load, naming the field."""
+    layer_ids = list(config.extraction.layer_ids or default_aux_layer_ids(target.num_layers))
+    try:
+        check_layer_ids(layer_ids, target.num_layers)
+    except ValueError as exc:
+        raise ConfigError(f"extraction.layer_ids: {exc}") from None
+    return layer_ids

@@ -1,0 +1,224 @@
+"""The samples folder on disk: Parquet parts written as rows complete, resume by prompt id, and the final
+accounting into a `SampleSet` manifest.
+
+A re-run keeps the ok rows of earlier runs and samples every other prompt again (an error may have been
+a passing fault); rows of prompts no longer asked for are dropped so that ok + error + skipped always
+equals the prompts. Rows made for another target or other sampling parameters are never mixed in: the
+folder's run key (target digest, parameters) is compared first.
+
+`SampleStore` is sampling's one resume API: `cached()` (the finished set, reused whole), `resume(wanted)`
+(keep the ok rows, return their ids), `writer()` (new rows as parts), `finish()` (the manifest), and the
+read-only `ok_ids()`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from eagle3_core.artifacts import ArtifactInvalid, SampleSet, TargetModel, record_files
+from eagle3_core.config import PipelineConfig
+from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
+from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.sampling.prompts import Prompt
+from eagle3_core.sampling.table import read_part, write_part
+
+FORMAT_VERSION = 1
+SAMPLES_DIR = "samples"
+KEY_FILE = "run_key.json"
+PART_GLOB = "part-*.parquet"
+
+
+def run_key(config: PipelineConfig, target: TargetModel, prompts: list[Prompt]) -> dict[str, Any]:
+    """Everything that decides a row's content, plus the digest of the prompt set. Concurrency, timeouts
+    and part size change how rows are made, not what they hold, so they are left out."""
+    sampling, server = config.sampling, config.server
+    return {
+        "format_version": FORMAT_VERSION,
+        "target": target.digest,
+        "tokenizer": target.tokenizer_digest,
+        "sampling": sampling.model_dump(include={"max_tokens", "temperature", "top_p", "seed"}),
+        "server": server.model_dump(include={"engine", "url", "max_model_len", "reasoning_parser"}),
+        "prompts": sha256_json([p.id for p in prompts]),
+    }
+
+
+def row_key(key: dict[str, Any]) -> dict[str, Any]:
+    """The part of the run key that rows already written must share to be kept (not the prompt set)."""
+    return {k: v for k, v in key.items() if k != "prompts"}
+
+
+class PartWriter:
+    """Collects rows and writes every `rows_per_part` of them as the next Parquet part (atomically)."""
+
+    def __init__(self, out_dir: Path, rows_per_part: int):
+        self.out_dir = out_dir
+        self.rows_per_part = rows_per_part
+        self.rows: list[dict[str, Any]] = []
+        numbers = [int(p.stem.split("-")[1]) for p in out_dir.glob(PART_GLOB)]
+        self.next_number = max(numbers, default=-1) + 1
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= self.rows_per_part:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.rows:
+            write_part(self.rows, self.out_dir / f"part-{self.next_number:05d}.parquet")
+            self.next_number += 1
+            self.rows = []
+
+
+@dataclass
+class RowTally:
+    """What the manifest needs from the rows: ids (to account for the prompts), counts and error reasons."""
+
+    ids: Counter[str] = field(default_factory=Counter)
+    status: Counter[str] = field(default_factory=Counter)
+    errors: dict[str, str] = field(default_factory=dict)
+    tokens: int = 0
+    loss_tokens: int = 0
+
+
+def tally_parts(parts: list[Path]) -> RowTally:
+    """Tally the rows of `parts`, one part in memory at a time (not every row: the client's memory stays
+    flat however many prompts there are)."""
+    tally = RowTally()
+    for part in parts:
+        for row in read_part(part):
+            tally.ids[row["id"]] += 1
+            tally.status[row["status"]] += 1
+            if row["status"] == "error":
+                tally.errors[row["id"]] = row["error"]
+            if row["status"] == "ok":
+                tally.tokens += len(row["input_ids"])
+                tally.loss_tokens += sum(row["loss_mask"])
+    return tally
+
+
+class SampleStore:
+    """The samples folder `out_dir` of one run key (`run_key`), as the sampling phase resumes it; `phase`
+    names its lines in events.jsonl."""
+
+    def __init__(self, out_dir: Path, key: dict[str, Any], events: RunEvents, phase: str = "sampling"):
+        self.out_dir, self.key, self.events, self.phase = out_dir, key, events, phase
+
+    @classmethod
+    def of_run(
+        cls, config: PipelineConfig, target: TargetModel, prompts: list[Prompt], events: RunEvents
+    ) -> SampleStore:
+        """The store of `<run_dir>/samples` for these settings, target and prompts."""
+        return cls(Path(config.run_dir) / SAMPLES_DIR, run_key(config, target, prompts), events)
+
+    def cached(self) -> SampleSet | None:
+        """The finished SampleSet of the same key with no error rows, if its files are intact."""
+        out_dir, phase = self.out_dir, self.phase
+        path = out_dir / f"{SampleSet.kind}.json"
+        if not path.exists():
+            return None
+        try:
+            sample_set = SampleSet.load(path)
+            sample_set.validate()
+        except (ArtifactInvalid, ValueError, OSError) as exc:
+            self.events.record(phase, DECISION, f"sample set at {out_dir} not reusable, resuming: {exc}")
+            return None
+        if sample_set.config != self.key or sample_set.error:
+            return None
+        self.events.record(phase, CACHE_HIT, f"{sample_set.ok} samples at {out_dir} reused", digest=sample_set.digest)
+        return sample_set
+
+    def ok_ids(self) -> set[str]:
+        """Ids of the ok rows already in the folder for this run key (none when its rows were made with
+        another target or other parameters); reads only the id and status columns, changes nothing."""
+        key_path = self.out_dir / KEY_FILE
+        if not key_path.exists() or json.loads(key_path.read_text()) != row_key(self.key):
+            return set()
+        ok: set[str] = set()
+        for part in self.out_dir.glob(PART_GLOB):
+            table = pq.read_table(part, columns=["id", "status"]).to_pydict()
+            ok.update(i for i, status in zip(table["id"], table["status"], strict=True) if status == "ok")
+        return ok
+
+    def resume(self, wanted: set[str]) -> set[str]:
+        """Leave only ok rows of wanted prompts in the parts (rewriting parts atomically) and return their
+        ids. Parts of another run key are removed."""
+        out_dir, phase, events = self.out_dir, self.phase, self.events
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in out_dir.glob(".part-*.tmp-*"):
+            leftover.unlink()
+        key_path = out_dir / KEY_FILE
+        parts = sorted(out_dir.glob(PART_GLOB))
+        if key_path.exists() and json.loads(key_path.read_text()) != row_key(self.key):
+            events.record(phase, DECISION, f"target or sampling parameters changed: discarding {len(parts)} parts")
+            for part in parts:
+                part.unlink()
+            parts = []
+        write_text_atomic(key_path, json.dumps(row_key(self.key), sort_keys=True))
+        (out_dir / f"{SampleSet.kind}.json").unlink(missing_ok=True)
+        kept: set[str] = set()
+        dropped: Counter[str] = Counter()
+        for part in parts:
+            rows = read_part(part)
+            keep = []
+            for row in rows:
+                if row["status"] == "ok" and row["id"] in wanted and row["id"] not in kept:
+                    keep.append(row)
+                    kept.add(row["id"])
+                else:
+                    dropped["not asked for" if row["id"] not in wanted else row["status"]] += 1
+            if not keep:
+                part.unlink()
+            elif len(keep) < len(rows):
+                write_part(keep, part)
+        if parts:
+            events.record(
+                phase,
+                RESUME,
+                f"resuming: {len(kept)} ok rows kept, {len(wanted) - len(kept)} prompts to sample",
+                kept=len(kept),
+                dropped=dict(dropped),
+            )
+        return kept
+
+    def writer(self, rows_per_part: int) -> PartWriter:
+        """Where new rows go: parts numbered after those already in the folder."""
+        return PartWriter(self.out_dir, rows_per_part)
+
+    def finish(self, target: TargetModel, prompts: list[Prompt]) -> SampleSet:
+        """Count every row, check that each prompt has exactly one, and save the manifest."""
+        out_dir, key = self.out_dir, self.key
+        parts = sorted(out_dir.glob(PART_GLOB))
+        tally = tally_parts(parts)
+        ids = tally.ids
+        wanted = {p.id for p in prompts}
+        missing, extra = wanted - ids.keys(), ids.keys() - wanted
+        repeated = [i for i, n in ids.items() if n > 1]
+        if missing or extra or repeated:
+            raise RuntimeError(
+                f"samples at {out_dir} do not account for the prompts: {len(missing)} missing, "
+                f"{len(extra)} unknown, {len(repeated)} repeated (e.g. {sorted(missing | extra | set(repeated))[:3]})"
+            )
+        status = tally.status
+        sample_set = SampleSet(
+            root=str(out_dir),
+            files=record_files(out_dir, parts),
+            config=key,
+            upstream={"target": target.digest},
+            prompts=len(prompts),
+            ok=status["ok"],
+            error=status["error"],
+            skipped=status["skipped"],
+            tokens=tally.tokens,
+            loss_tokens=tally.loss_tokens,
+            errors=tally.errors,
+            target_digest=target.digest,
+            tokenizer_digest=target.tokenizer_digest,
+        )
+        sample_set.save()
+        return sample_set

@@ -1,0 +1,47 @@
+"""The layers of pyproject.toml's import contracts (`lint-imports`, run by `make lint`): they hold on this
+checkout, and each contract fails on a copy that breaks it, so a contract cannot pass by matching nothing."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ["eagle3_core", "cli", "tasks", "flows", "deployments"]
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"]
+    return subprocess.run([*command, "--no-cache"], cwd=root, capture_output=True, text=True, timeout=300)
+
+
+def test_the_contracts_hold() -> None:
+    result = lint_imports(REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "broken"),
+    [
+        ("eagle3_core/events.py", "import prefect", "eagle3_core reaches no orchestration"),
+        ("eagle3_core/vocab.py", "from tasks import policy", "eagle3_core reaches no orchestration"),
+        ("eagle3_core/draft/model.py", "from eagle3_core.training import loss", "the draft model knows nothing"),
+        ("eagle3_core/draft/model.py", "from eagle3_core.draft import export", "the draft model knows nothing"),
+        ("eagle3_core/serving/engine.py", "from eagle3_core.sampling import store", "serving (the engines)"),
+        ("eagle3_core/sampling/table.py", "from eagle3_core.sampling import phase", "no import loops"),
+    ],
+)
+def test_a_violation_fails(tmp_path: Path, module: str, line: str, broken: str) -> None:
+    for package in PACKAGES:
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    with (tmp_path / module).open("a") as file:
+        file.write(f"\n{line}\n")
+    result = lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert broken in result.stdout.split("Broken contracts")[-1]
