@@ -337,6 +337,7 @@ def run_training(
                     total=total,
                     unit="steps",
                     rate=tokens_per_s,
+                    rate_unit="tok/s",
                     eta_s=meter.eta(done - start_step, total - start_step),
                     message=f"loss {row['loss']:.3f} top1@0 {row['top1_0']:.2f} {tokens_per_s:,.0f} tok/s",
                 )
