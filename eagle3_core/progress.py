@@ -16,9 +16,17 @@ class ProgressUpdate(BaseModel):
     done: float = Field(description="Units done.")
     total: float | None = Field(None, description="Units in all, when known.")
     unit: str = Field("", description="Unit name: shards, requests, steps.")
-    rate: float | None = Field(None, description="Units (or tokens) per second.")
+    rate: float | None = Field(None, description="Rate, in `rate_unit`.")
+    rate_unit: str = Field("", description="Unit of `rate`, e.g. tok/s; empty: `unit` per second.")
     eta_s: float | None = Field(None, description="Seconds left, when known.")
     message: str = Field("", description="One line for the user.")
+
+    def rate_text(self) -> str | None:
+        """`32.7 tok/s`, `1.5 shards/s`: the rate with its unit, or None."""
+        if self.rate is None:
+            return None
+        unit = self.rate_unit or f"{self.unit or 'units'}/s"
+        return f"{self.rate:.1f} {unit}"
 
     @property
     def percent(self) -> float | None:

@@ -21,6 +21,8 @@ from prefect.tasks import Task
 
 from eagle3_core.artifacts import DraftCheckpoint, EvalReport, Manifest
 from eagle3_core.config import PipelineConfig
+from eagle3_core.dtypes import record_dtype_decision
+from eagle3_core.events import RunEvents
 from flows.hooks import stop_engines
 from flows.summary import PhaseRun, write_summary
 from tasks.evaluation import evaluate_draft_task
@@ -62,6 +64,7 @@ def run_all_phases(config: PipelineConfig, runner: Callable[..., Any]) -> tuple[
 def run_pipeline(config: PipelineConfig, summary_key: str) -> tuple[DraftCheckpoint, EvalReport]:
     """Every phase, then the summary (also after a failure: it says which phase failed and why)."""
     started = time.time()
+    record_dtype_decision(config, RunEvents(config.run_dir), "flow")
     runner = PhaseRunner(config)
     checkpoint: DraftCheckpoint | None = None
     report: EvalReport | None = None

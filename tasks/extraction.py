@@ -25,6 +25,7 @@ POLICY = PhaseCachePolicy(
         "extraction.reuse_sampling_server",
         "extraction.reuse_generation_penalty",
         "extraction.reuse_load_gb_per_s",
+        "extraction.reuse_engine_start_s",
         "extraction.reuse_generation_tokens_per_s",
         "extraction.writer_threads",
     ),

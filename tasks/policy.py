@@ -25,6 +25,7 @@ from prefect.tasks import Task, exponential_backoff
 
 from eagle3_core.artifacts import ArtifactInvalid, Manifest
 from eagle3_core.config import ConfigError, PipelineConfig
+from eagle3_core.dtypes import with_resolved_dtypes
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.faults import InjectedFault, check_fault, faulting_progress
 from eagle3_core.files import DiskFullError, sha256_json
@@ -97,7 +98,10 @@ class PhaseCachePolicy(CachePolicy):
         return {
             "phase": self.phase,
             "version": self.version,
-            "config": select_fields(config.model_dump(mode="json"), self.include, self.exclude),
+            # `auto` dtypes as this host resolves them: `auto` and the dtype it stands for share a key.
+            "config": select_fields(
+                with_resolved_dtypes(config.model_dump(mode="json"), config), self.include, self.exclude
+            ),
             "extra": self.extra(config) if self.extra else None,
             "upstream": {name: manifest.digest for name, manifest in sorted(upstream.items())},
         }

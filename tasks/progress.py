@@ -28,7 +28,7 @@ def describe(update: ProgressUpdate) -> str:
     total = f"/{update.total:g}" if update.total is not None else ""
     parts = [f"{update.stage}: {update.done:g}{total} {update.unit}".rstrip()]
     if update.rate is not None:
-        parts.append(f"{update.rate:.1f}/s")
+        parts.append(update.rate_text())
     if update.eta_s is not None:
         parts.append(f"ETA {update.eta_s:.0f} s")
     if update.message:

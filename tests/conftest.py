@@ -3,6 +3,7 @@ throwaway Prefect API (a temporary database and server) per test module."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,10 @@ def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory, smollm2_target: Targ
     """A randomly initialised DeepSeek-V3-shaped target (MLA, MoE): the seeds' Kimi-K2.5 at test size."""
     out = build_tiny_target(tmp_path_factory.mktemp("tiny") / "dsv3", smollm2_target.root_path, "deepseek_v3")
     return describe_folder(Path(out), "tiny-deepseek-v3", "local")
+
+
+# The throwaway Prefect servers of the tests send no telemetry (offline machines log an error otherwise).
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 @pytest.fixture(scope="module")

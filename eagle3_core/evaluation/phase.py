@@ -15,6 +15,7 @@ from typing import Any
 
 from eagle3_core.artifacts import DraftCheckpoint, EvalReport, SampleSet, TargetModel, record_files
 from eagle3_core.config import PipelineConfig
+from eagle3_core.dtypes import resolved_config
 from eagle3_core.evaluation.prompts import (
     EvalPrompt,
     check_no_overlap,
@@ -231,6 +232,7 @@ def evaluate_draft(
     """Measure, report, then guard: raises `AcceptanceBelowFloor` (after writing everything) when the
     pooled position-0 acceptance of (a) or (b) is below `evaluation.acceptance_floor`.
     `sample_set` None measures HumanEval only (no project prompts, nothing to check overlap against)."""
+    config = resolved_config(config)  # `auto` dtypes as this host runs them, in keys and in the report
     eval_dir = Path(config.run_dir) / "eval"
     draft_dir = export_dir(checkpoint)
     upstream = {"draft_checkpoint": checkpoint.digest, "target_model": target.digest}

@@ -18,6 +18,7 @@ from typing import Any
 
 from eagle3_core.artifacts import ArtifactInvalid, FileRecord, HiddenStateSet, SampleSet, TargetModel
 from eagle3_core.config import ExtractionConfig, PipelineConfig
+from eagle3_core.dtypes import resolve_dtype
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
 from eagle3_core.extraction.layout import OUT_DIR, resolve_layer_ids
 from eagle3_core.extraction.reader import INDEX_FILE
@@ -112,8 +113,9 @@ def open_hf_backend(
     device = resolve_device(config.extraction.device)
     message = f"loading {target.name} on {device}"
     progress(ProgressUpdate(phase=PHASE, stage="weight load", done=0, total=100, unit="%", message=message))
-    with events.weight_load(PHASE, f"{target.name} (transformers, {device})"):
-        decoder = load_decoder(target.root_path, getattr(torch, config.target.dtype), device)
+    compute_dtype = resolve_dtype(config.extraction.compute_dtype, device.type == "cuda")
+    with events.weight_load(PHASE, f"{target.name} (transformers, {compute_dtype}, {device})"):
+        decoder = load_decoder(target.root_path, getattr(torch, compute_dtype), device)
     progress(ProgressUpdate(phase=PHASE, stage="weight load", done=100, total=100, unit="%"))
     backend = HfBackend(decoder, layer_ids, config.extraction.batch_size, config.extraction.dtype)
     try:
@@ -263,6 +265,7 @@ def run_shards(
                     total=total_samples,
                     unit="samples",
                     rate=rate,
+                    rate_unit="tok/s",
                     eta_s=meter.eta(counts["samples"], total_samples),
                     message=f"{rate:.0f} tok/s, {counts['shards']}/{len(pending)} shards written",
                 )

@@ -239,6 +239,7 @@ class RowProgress:
                 total=self.total,
                 unit="requests",
                 rate=rate,
+                rate_unit="tok/s",
                 message=f"{self.done}/{self.total} requests, {self.errors} errors, {rate:.0f} tok/s",
             )
         )

@@ -6,7 +6,9 @@ start it saves outweighs the slower sampling on a server that carries the hidden
     reuse  <=>  load_s > sampling_s * penalty / (1 - penalty)
 
 - `load_s`: the last engine start of this target recorded in events.jsonl (WEIGHT_LOAD, the time until the
-  server was healthy), else the size of its weights on disk at `extraction.reuse_load_gb_per_s`;
+  server was healthy), else a fixed start-up cost, `extraction.reuse_engine_start_s`, plus the size of its
+  weights on disk at `extraction.reuse_load_gb_per_s` (the weights alone said 1 s for SmolLM2, whose engine
+  took 61 s to be healthy on 2 cores);
 - `sampling_s`: the prompts still to sample at the seconds per prompt of the last sampling run recorded in
   events.jsonl, else at `sampling.max_tokens` tokens each and `extraction.reuse_generation_tokens_per_s`;
 - `penalty`: `extraction.reuse_generation_penalty`, the share of generation tokens/s the connector costs.
@@ -91,8 +93,12 @@ def estimate_reuse(config: PipelineConfig, target: TargetModel, events: list[dic
         load_source = "last engine start in events.jsonl"
     else:
         size = weights_bytes(target.root_path)
-        load_s = size / (extraction.reuse_load_gb_per_s * 1e9)
-        load_source = f"{size / 1e9:.2f} GB of weights at {extraction.reuse_load_gb_per_s} GB/s"
+        load_s = extraction.reuse_engine_start_s + size / (extraction.reuse_load_gb_per_s * 1e9)
+        load_source = (
+            f"no engine start in events.jsonl: {extraction.reuse_engine_start_s:.0f} s start-up "
+            f"(extraction.reuse_engine_start_s) + {size / 1e9:.2f} GB of weights at "
+            f"{extraction.reuse_load_gb_per_s} GB/s"
+        )
     pending = pending_prompts(config, target)
     per_prompt = last_seconds_per_prompt(events)
     if per_prompt is not None:

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from eagle3_core.artifacts import ArtifactInvalid, SampleSet, TargetModel, record_files
 from eagle3_core.config import PipelineConfig
+from eagle3_core.dtypes import cuda_present, resolve_dtype
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
 from eagle3_core.files import sha256_json, write_text_atomic
 from eagle3_core.sampling.prompts import Prompt
@@ -36,14 +37,17 @@ PART_GLOB = "part-*.parquet"
 
 def run_key(config: PipelineConfig, target: TargetModel, prompts: list[Prompt]) -> dict[str, Any]:
     """Everything that decides a row's content, plus the digest of the prompt set. Concurrency, timeouts
-    and part size change how rows are made, not what they hold, so they are left out."""
+    and part size change how rows are made, not what they hold, so they are left out. The serving dtype
+    is the resolved one (`auto` -> float32 or bfloat16 on this host): greedy completions differ between
+    dtypes, so rows of another dtype are not mixed in; None for an external server (its dtype is its own)."""
     sampling, server = config.sampling, config.server
+    dtype = resolve_dtype(server.dtype, cuda_present()) if server.engine == "vllm" else None
     return {
         "format_version": FORMAT_VERSION,
         "target": target.digest,
         "tokenizer": target.tokenizer_digest,
         "sampling": sampling.model_dump(include={"max_tokens", "temperature", "top_p", "seed"}),
-        "server": server.model_dump(include={"engine", "url", "max_model_len", "reasoning_parser"}),
+        "server": {**server.model_dump(include={"engine", "url", "max_model_len", "reasoning_parser"}), "dtype": dtype},
         "prompts": sha256_json([p.id for p in prompts]),
     }
 
@@ -51,6 +55,32 @@ def run_key(config: PipelineConfig, target: TargetModel, prompts: list[Prompt]) 
 def row_key(key: dict[str, Any]) -> dict[str, Any]:
     """The part of the run key that rows already written must share to be kept (not the prompt set)."""
     return {k: v for k, v in key.items() if k != "prompts"}
+
+
+def is_legacy_key(stored: dict[str, Any], key: dict[str, Any]) -> bool:
+    """Whether `stored` was written before the serving dtype entered the key (no server.dtype) and matches
+    `key` otherwise. Such rows are kept, with a DECISION line: their dtype was not recorded."""
+    server = stored.get("server")
+    if not isinstance(server, dict) or "dtype" in server:
+        return False
+    return stored == {**key, "server": {k: v for k, v in key["server"].items() if k != "dtype"}}
+
+
+def key_matches(stored: Any, key: dict[str, Any], events: RunEvents | None = None, phase: str = "") -> bool:
+    """`stored` (a key file or manifest config) equals `key`, or is its legacy form (see `is_legacy_key`),
+    which is recorded in `events` when given."""
+    if stored == key:
+        return True
+    if not isinstance(stored, dict) or not is_legacy_key(stored, key):
+        return False
+    if events is not None:
+        events.record(
+            phase,
+            DECISION,
+            f"samples written before the serving dtype was part of their key: kept as {key['server']['dtype']}",
+            dtype=key["server"]["dtype"],
+        )
+    return True
 
 
 class PartWriter:
@@ -128,7 +158,7 @@ class SampleStore:
         except (ArtifactInvalid, ValueError, OSError) as exc:
             self.events.record(phase, DECISION, f"sample set at {out_dir} not reusable, resuming: {exc}")
             return None
-        if sample_set.config != self.key or sample_set.error:
+        if sample_set.error or not key_matches(sample_set.config, self.key, self.events, phase):
             return None
         self.events.record(phase, CACHE_HIT, f"{sample_set.ok} samples at {out_dir} reused", digest=sample_set.digest)
         return sample_set
@@ -137,7 +167,7 @@ class SampleStore:
         """Ids of the ok rows already in the folder for this run key (none when its rows were made with
         another target or other parameters); reads only the id and status columns, changes nothing."""
         key_path = self.out_dir / KEY_FILE
-        if not key_path.exists() or json.loads(key_path.read_text()) != row_key(self.key):
+        if not key_path.exists() or not key_matches(json.loads(key_path.read_text()), row_key(self.key)):
             return set()
         ok: set[str] = set()
         for part in self.out_dir.glob(PART_GLOB):
@@ -154,7 +184,7 @@ class SampleStore:
             leftover.unlink()
         key_path = out_dir / KEY_FILE
         parts = sorted(out_dir.glob(PART_GLOB))
-        if key_path.exists() and json.loads(key_path.read_text()) != row_key(self.key):
+        if key_path.exists() and not key_matches(json.loads(key_path.read_text()), row_key(self.key), events, phase):
             events.record(phase, DECISION, f"target or sampling parameters changed: discarding {len(parts)} parts")
             for part in parts:
                 part.unlink()

@@ -27,6 +27,7 @@ import httpx
 import psutil
 
 from eagle3_core.config import ServerConfig
+from eagle3_core.dtypes import resolve_dtype
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.files import write_text_atomic
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
@@ -224,7 +225,7 @@ def build_command(
         "--max-model-len",
         str(config.max_model_len),
         "--dtype",
-        config.dtype,
+        resolve_dtype(config.dtype, has_cuda_gpus()),
     ]
     if has_cuda_gpus():
         command += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]

@@ -31,6 +31,7 @@ def make_config(run_dir, **extraction) -> PipelineConfig:
     config.extraction.backend = "hf"
     config.extraction.samples_per_shard = 3
     config.extraction.batch_size = 2
+    config.extraction.compute_dtype = "bfloat16"  # the dtype of the independent computation below
     for name, value in extraction.items():
         setattr(config.extraction, name, value)
     return config

@@ -38,7 +38,7 @@ from tasks.policy import (
     run_phase,
     select_fields,
 )
-from tasks.progress import PrefectProgress, artifact_key
+from tasks.progress import PrefectProgress, artifact_key, describe
 from tasks.sampling import POLICY as SAMPLING_POLICY
 from tasks.target import prepare_target_task
 from tasks.training import POLICY as TRAINING_POLICY
@@ -275,6 +275,15 @@ def test_fault_points(monkeypatch: pytest.MonkeyPatch):
     assert seen == [2, 3]
     with pytest.raises(InjectedFault):
         run_phase("sampling", lambda: pytest.fail("the phase must not start"))
+
+
+def test_progress_lines_label_rates_with_their_unit():
+    """Issue 14: "57/128 requests · 32.7/s" where 32.7 was tokens/s."""
+    sampling = ProgressUpdate(phase="sampling", stage="requests", done=57, total=128, unit="requests", rate=32.7,
+                              rate_unit="tok/s")  # fmt: skip
+    assert describe(sampling) == "requests: 57/128 requests · 32.7 tok/s"
+    shards = ProgressUpdate(phase="extraction", stage="shards", done=1, total=4, unit="shards", rate=0.25)
+    assert describe(shards) == "shards: 1/4 shards · 0.2 shards/s", "no rate unit: the unit per second"
 
 
 def test_progress_artifacts_are_throttled_and_finish_at_100():

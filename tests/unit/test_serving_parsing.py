@@ -13,7 +13,9 @@ WORKER = "(Worker_TP0 pid=340648) "
 
 def test_command_uses_module_entrypoint_and_config(monkeypatch):
     monkeypatch.setattr(serving, "has_cuda_gpus", lambda: False)
-    config = ServerConfig(tensor_parallel_size=8, reasoning_parser="kimi_k2", extra_args=["--seed", "1"])
+    config = ServerConfig(
+        tensor_parallel_size=8, dtype="bfloat16", reasoning_parser="kimi_k2", extra_args=["--seed", "1"]
+    )
     command = serving.build_command(config, "/m", 8123, ["--max-num-seqs", "4"])
     assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     joined = " ".join(command)

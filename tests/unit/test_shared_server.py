@@ -113,11 +113,14 @@ def small_config(tmp_path: Path, mode: str, **extraction: object) -> PipelineCon
     )
 
 
-def test_without_history_auto_estimates_from_the_weights_size_and_the_assumed_rate(tmp_path, smollm2_target):
-    config = small_config(tmp_path, "auto", reuse_load_gb_per_s=0.001, reuse_generation_tokens_per_s=100)
+def test_without_history_auto_estimates_from_the_start_up_cost_weights_size_and_assumed_rate(tmp_path, smollm2_target):
+    config = small_config(
+        tmp_path, "auto", reuse_load_gb_per_s=0.001, reuse_generation_tokens_per_s=100, reuse_engine_start_s=7
+    )
     estimate = estimate_reuse(config, smollm2_target, [])
     size = sum(p.stat().st_size for p in smollm2_target.root_path.glob("*.safetensors"))
-    assert estimate.load_s == pytest.approx(size / 1e6)
+    assert estimate.load_s == pytest.approx(7 + size / 1e6), "fixed start-up + weights at the bandwidth"
+    assert "no engine start in events.jsonl" in estimate.load_source
     assert estimate.sampling_s == pytest.approx(20 * 100 / 100), "20 prompts of 100 tokens at 100 tokens/s"
     assert estimate.slowdown_s == pytest.approx(20)
     assert estimate.reuse
@@ -147,11 +150,21 @@ def test_auto_records_its_choice_with_the_numbers(tmp_path, smollm2_target):
     decision = events.read()[-1]
     assert decision["event"] == DECISION and decision["reuse"] is False
     assert decision["load_s"] == 30 and decision["sampling_s"] == 100 and decision["slowdown_s"] == 100
+    assert decision["load_source"] == "last engine start in events.jsonl"
     assert "separate engines" in decision["message"]
 
     events.record("sampling", WEIGHT_LOAD, "", what=f"vLLM server {smollm2_target.root_path}", seconds=5, startup_s=500)
     assert resolve_reuse(config, smollm2_target, events)
     assert "one shared server" in events.read()[-1]["message"]
+
+
+def test_auto_without_recorded_starts_counts_the_default_start_up_not_the_weights_alone(tmp_path, smollm2_target):
+    """Issue 14: SmolLM2's 0.27 GB at 0.37 GB/s said "engine start 1 s"; its engine took 61-76 s to be healthy."""
+    config = small_config(tmp_path, "auto", reuse_generation_tokens_per_s=300)
+    estimate = estimate_reuse(config, smollm2_target, [])
+    assert estimate.load_s == pytest.approx(config.extraction.reuse_engine_start_s + 0.27 / 0.37, abs=0.1)
+    assert estimate.load_s > 60
+    assert estimate.reuse, "20 prompts of 100 tokens: ~7 s of sampling, 3.3 s slower, against a 61 s start"
 
 
 def test_off_decides_nothing_on_shares_and_only_a_vllm_pair_can_share(tmp_path, smollm2_target):
