@@ -29,6 +29,7 @@ import psutil
 from eagle3_core.config import ServerConfig
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.files import write_text_atomic
+from eagle3_core.parent_death import die_with_parent
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
 from eagle3_core.server_processes import (
     POLL_S,
@@ -325,6 +326,7 @@ class VllmServer:
                 stdin=subprocess.DEVNULL,
                 env=build_env(self.config, self.api_key),
                 start_new_session=True,
+                preexec_fn=die_with_parent(signal.SIGTERM),  # not orphaned if this process is killed
             )
         self.started = psutil.Process(self.process.pid).create_time()
         write_text_atomic(

@@ -30,7 +30,7 @@ def evaluate_draft_task(
     """Measure acceptance on held-out prompts with the real target (and vLLM where available)."""
     from eagle3_core.evaluation import evaluate_draft
 
-    with gpu_slot(config.orchestration.gpu_limit):
+    with gpu_slot(config.orchestration.gpu_limit, RunEvents(config.run_dir)):
         progress = faulting_progress(PHASE, PrefectProgress(config.orchestration.progress_interval_s))
         return run_phase(
             PHASE,

@@ -43,7 +43,7 @@ def extract_hidden_states_task(
     `shared` (the SharedServer sampling used; part of no cache key)."""
     from eagle3_core.extraction import extract_hidden_states
 
-    with phase_slot(config.orchestration.gpu_limit, shared):
+    with phase_slot(config.orchestration.gpu_limit, shared, RunEvents(config.run_dir)):
         progress = faulting_progress(PHASE, PrefectProgress(config.orchestration.progress_interval_s))
         events = RunEvents(config.run_dir)
         return run_phase(

@@ -51,7 +51,7 @@ def sample_prompts_task(config: PipelineConfig, target: TargetModel, shared: Sha
     uses `shared` (a SharedServer the flow stops; part of no cache key)."""
     from eagle3_core.sampling import sample_prompts
 
-    with phase_slot(config.orchestration.gpu_limit, shared):
+    with phase_slot(config.orchestration.gpu_limit, shared, RunEvents(config.run_dir)):
         progress = faulting_progress(PHASE, PrefectProgress(config.orchestration.progress_interval_s))
         events = RunEvents(config.run_dir)
         return run_phase(PHASE, lambda: sample_prompts(config, target, events, progress=progress, server=shared))

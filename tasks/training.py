@@ -50,7 +50,7 @@ def train_draft_task(
     """Train (or resume training) the draft; exports the vLLM-loadable folder."""
     from eagle3_core.training import train_draft
 
-    with gpu_slot(config.orchestration.gpu_limit):
+    with gpu_slot(config.orchestration.gpu_limit, RunEvents(config.run_dir)):
         progress = faulting_progress(PHASE, PrefectProgress(config.orchestration.progress_interval_s))
         return run_phase(
             PHASE,
