@@ -154,7 +154,11 @@ def take_slot(
             with book.locked():
                 lease_id = try_take(client, limit)
                 if lease_id is not None:
-                    book.write(record_of(limit, lease_id))
+                    try:
+                        book.write(record_of(limit, lease_id))
+                    except BaseException:  # a holder off the record could be counted dead: never hold so
+                        client.release_concurrency_slots_with_lease(UUID(lease_id))
+                        raise
                     return book, lease_id
                 if release_dead(client, book, limit, events, phase):
                     continue
