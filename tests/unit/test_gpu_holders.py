@@ -155,17 +155,25 @@ def test_a_child_with_a_parent_death_signal_dies_with_its_parent(tmp_path: Path)
 # --- on a Prefect server that outlives the holders (PREFECT_API_URL) -------------------------------------
 
 
+def holding(tmp_path: Path, limit: str, seconds: float, name: str) -> subprocess.Popen:
+    """A holder process of `limit` on this test's Prefect server, once it has the slot."""
+    ensure_concurrency_limit(limit)
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    holder = start_holder(tmp_path, limit, seconds, env, name)
+    try:
+        wait_output(tmp_path, name, "held", holder)
+    except BaseException:
+        holder.kill()
+        raise
+    return holder
+
+
 @pytest.mark.timeout(600)
 def test_the_slot_of_a_killed_holder_is_given_back_at_once(prefect_api, tmp_path: Path):
     limit = "gpu-killed"
-    ensure_concurrency_limit(limit)
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-    holder = start_holder(tmp_path, limit, 600, env, "killed")
-    try:
-        wait_output(tmp_path, "killed", "held", holder)
-    finally:
-        holder.kill()
-        holder.wait()
+    holder = holding(tmp_path, limit, 600, "killed")
+    holder.kill()
+    holder.wait()
     assert active_slots(limit) == 1, "the killed holder's slot is still taken"
     run_dir = tmp_path / "next"
     start = time.monotonic()
@@ -184,11 +192,8 @@ def test_the_slot_of_a_killed_holder_is_given_back_at_once(prefect_api, tmp_path
 @pytest.mark.timeout(600)
 def test_a_live_holder_is_waited_for_and_the_wait_is_reported(prefect_api, tmp_path: Path):
     limit = "gpu-live"
-    ensure_concurrency_limit(limit)
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-    holder = start_holder(tmp_path, limit, 12, env, "live")
+    holder = holding(tmp_path, limit, 12, "live")
     try:
-        wait_output(tmp_path, "live", "held", holder)
         start = time.monotonic()
         updates: list[ProgressUpdate] = []
         with gpu_slot(limit, RunEvents(tmp_path / "waiter"), progress=updates.append, phase="sampling"):
