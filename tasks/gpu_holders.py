@@ -29,6 +29,7 @@ from uuid import UUID
 import httpx
 from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
+from prefect.exceptions import ObjectNotFound
 from prefect.settings import get_current_settings
 
 from eagle3_core.events import DECISION, RunEvents
@@ -87,18 +88,35 @@ def record_of(limit: str, lease_id: str) -> HolderRecord:
     return HolderRecord(limit, lease_id, flow_run_id, flow_run_name, me.host, me.pid, me.started, time.time())
 
 
+def death_of(client: SyncPrefectClient, record: HolderRecord) -> str | None:
+    """Why the holder is dead, or None while it may be alive: its process is gone (this host), or, on
+    another host, its flow run has ended (a run in a final state has left its phases, slots included).
+    Unknown counts as alive."""
+    alive = record.process.alive()
+    if alive is not None:
+        return None if alive else "that process is gone"
+    if record.flow_run_id is None:
+        return None
+    try:
+        state = client.read_flow_run(UUID(record.flow_run_id)).state
+    except ObjectNotFound:
+        return None
+    return f"that flow run ended ({state.name})" if state is not None and state.is_final() else None
+
+
 def release_dead(client: SyncPrefectClient, book: HolderBook, limit: str, events: RunEvents | None, phase: str) -> bool:
     """Give back the slots of dead holders (called under the book's lock). True if any was given back."""
     records = book.records()
-    dead = [r for r in records if r.process.alive() is False]
-    live = [r for r in records if r not in dead]
+    deaths = {r.lease_id: why for r in records if (why := death_of(client, r)) is not None}
+    dead = [r for r in records if r.lease_id in deaths]
+    live = [r for r in records if r.lease_id not in deaths]
     for record in dead:
         book.remove(record.lease_id)
     if not ephemeral_api():
         for record in dead:
             client.release_concurrency_slots_with_lease(UUID(record.lease_id))
-            reason = "that process is gone; its Prefect lease was revoked"
-            note(events, phase, f"released the `{limit}` slot of {record.describe()}: {reason}", record)
+            why = f"{deaths[record.lease_id]}; its Prefect lease was revoked"
+            note(events, phase, f"released the `{limit}` slot of {record.describe()}: {why}", record)
         return bool(dead)
     active = client.read_global_concurrency_limit_by_name(limit).active_slots
     excess = active - len(live)
@@ -106,8 +124,8 @@ def release_dead(client: SyncPrefectClient, book: HolderBook, limit: str, events
         return False
     client.release_concurrency_slots([limit], excess, occupancy_seconds=1.0)
     for record in dead[:excess]:
-        reason = "that process is gone, and its lease died with its temporary Prefect server"
-        note(events, phase, f"released the `{limit}` slot of {record.describe()}: {reason}", record)
+        why = f"{deaths[record.lease_id]}, and its lease died with its temporary Prefect server"
+        note(events, phase, f"released the `{limit}` slot of {record.describe()}: {why}", record)
     if excess > len(dead):
         unknown = "no holder on record: a run killed before it recorded itself, or one of an older version"
         note(events, phase, f"released {excess - len(dead)} `{limit}` slot(s) that no live process holds ({unknown})")

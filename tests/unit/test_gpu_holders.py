@@ -15,11 +15,14 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from uuid import uuid4
 
 import psutil
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
 from eagle3_core.events import DECISION, RunEvents
@@ -28,6 +31,9 @@ from eagle3_core.parent_death import die_with_parent
 from eagle3_core.progress import ProgressUpdate
 from flows.temporary_server import APP, records_dir, stop_leftover_servers
 from tasks.gpu import ensure_concurrency_limit, gpu_slot
+from tasks.gpu_holders import death_of
+
+RUN_IDS = {name: uuid4() for name in ("ended", "running", "missing")}
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -123,6 +129,31 @@ def test_the_book_keeps_one_record_per_lease_and_drops_a_damaged_one(tmp_path: P
     assert "flow run brave-owl run-1" in first.describe() and f"pid {me.pid}" in first.describe()
     book.remove("lease-a")
     assert book.records() == [second]
+
+
+def test_a_holder_of_another_host_is_dead_once_its_flow_run_has_ended():
+    me = ProcessIdentity.current()
+    states = {
+        "ended": SimpleNamespace(name="Crashed", is_final=lambda: True),
+        "running": SimpleNamespace(name="Running", is_final=lambda: False),
+    }
+
+    def read_flow_run(flow_run_id):
+        if flow_run_id == RUN_IDS["missing"]:
+            raise ObjectNotFound(http_exc=Exception())
+        return SimpleNamespace(state=states[next(k for k, v in RUN_IDS.items() if v == flow_run_id)])
+
+    client = SimpleNamespace(read_flow_run=read_flow_run)
+
+    def holder(run: str | None, host: str = "another-host", pid: int = me.pid) -> HolderRecord:
+        flow_run_id = str(RUN_IDS[run]) if run else None
+        return HolderRecord("gpu", "lease", flow_run_id, None, host, pid, me.started, 0.0)
+
+    assert death_of(client, holder("ended")) == "that flow run ended (Crashed)"
+    assert death_of(client, holder("running")) is None
+    assert death_of(client, holder("missing")) is None, "unknown counts as alive"
+    assert death_of(client, holder(None)) is None
+    assert death_of(client, holder("running", host=me.host, pid=dead_pid())) == "that process is gone"
 
 
 def test_a_child_with_a_parent_death_signal_dies_with_its_parent(tmp_path: Path):
