@@ -88,7 +88,7 @@ class Runs:
         started = time.time()
         run = self.start(name, fault=stop_at)
         assert run.wait(timeout=1500) != 0, "the injected fault stops the run"
-        assert f"at {stop_at.split(':')[1]}" in self.output(name), self.output(name)[-3000:]
+        assert stop_at.replace(":", " at ") in self.output(name), self.output(name)[-3000:]
         return self.events_since(started)
 
     def events_since(self, ts: float) -> list[dict]:
