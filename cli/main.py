@@ -125,6 +125,9 @@ def run_command(
     # with the default one the process dies at once, the flow run stays Running and no on_crashed hook
     # stops the engines. Exiting via SystemExit lets the flow engine record the crash and run its hooks.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    from flows.temporary_server import own_temporary_server
+
+    own_temporary_server(run_events(cfg))  # ephemeral mode: a server that dies with this process
     start = time.monotonic()
     if nightly:
         from flows.regenerate import regenerate as flow_function

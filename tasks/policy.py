@@ -269,7 +269,7 @@ def run_gpu_phase(
     """The body of every GPU phase task: `call(events, progress)` holding the `gpu` slot (none when it uses
     the `shared` server, which holds the slot itself), with progress reported to Prefect through the
     EAGLE3_FAULT points of `faulting_progress`, between `run_phase`'s start and end fault points."""
-    with phase_slot(config.orchestration.gpu_limit, shared):
+    events = RunEvents(config.run_dir)
+    with phase_slot(config.orchestration.gpu_limit, shared, events):
         progress = faulting_progress(phase, PrefectProgress(config.orchestration.progress_interval_s))
-        events = RunEvents(config.run_dir)
         return run_phase(phase, lambda: call(events, progress))

@@ -26,7 +26,7 @@ def sampling_and_extraction_server(config: PipelineConfig, target: TargetModel) 
         return
     from eagle3_core.extraction.vllm_backend import shared_server
 
-    server = shared_server(config, target, events, hold=partial(gpu_slot, config.orchestration.gpu_limit))
+    server = shared_server(config, target, events, hold=partial(gpu_slot, config.orchestration.gpu_limit, events))
     try:
         yield server
     finally:

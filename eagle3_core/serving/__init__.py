@@ -1,2 +1,3 @@
-"""Engines: the vLLM server's lifecycle (`engine`), its processes (`processes`), and one server shared by
-phases (`shared`). Knows no phase."""
+"""Engines: the vLLM server's lifecycle (`engine`), its processes (`processes`), one server shared by
+phases (`shared`), children that die with their parent (`parent_death`) and the on-disk record of who holds
+a slot of a concurrency limit (`holders`). Knows no phase."""

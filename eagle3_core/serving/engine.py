@@ -31,6 +31,7 @@ from eagle3_core.dtypes import resolve_dtype
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.files import write_text_atomic
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
+from eagle3_core.serving.parent_death import die_with_parent
 from eagle3_core.serving.processes import (
     POLL_S,
     ServerError,
@@ -328,6 +329,7 @@ class VllmServer:
                 stdin=subprocess.DEVNULL,
                 env=build_env(self.config, self.api_key),
                 start_new_session=True,
+                preexec_fn=die_with_parent(signal.SIGTERM),  # not orphaned if this process is killed
             )
         self.started = psutil.Process(self.process.pid).create_time()
         write_text_atomic(

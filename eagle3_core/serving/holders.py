@@ -1,0 +1,128 @@
+"""Who holds a slot of a global concurrency limit, on disk, and whether that holder is still alive.
+
+Prefect's lease of a slot names at most a flow run id, and with the ephemeral API (the default) the lease
+lives in the memory of a temporary server that dies with its run: a run killed outright (SIGKILL, the OOM
+killer, a lost host) leaves the slot taken, and nothing ever gives it back. So every holder also writes a
+record here, one JSON file per lease (`<dir>/<lease id>.json`: limit, lease id, flow run id, host, pid,
+the pid's start time, since), written under the book's lock together with the slot's acquisition and
+removed after its release. A waiter reads the records under the same lock: a holder whose process is gone
+on this host (its pid no longer runs, or runs a newer process) is dead, and its slot can be given back.
+
+No Prefect import here: the Prefect side (taking and releasing slots) is `tasks.gpu_holders`."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from eagle3_core.files import write_text_atomic
+
+# Start times of one process read twice agree to the clock tick; a reused pid starts later than that.
+START_TIME_TOLERANCE_S = 0.05
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """A process, told apart from a later one that got the same pid by its start time."""
+
+    host: str
+    pid: int
+    started: float
+
+    @classmethod
+    def current(cls) -> ProcessIdentity:
+        return cls.of(os.getpid())
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessIdentity:
+        return cls(socket.gethostname(), pid, psutil.Process(pid).create_time())
+
+    def alive(self) -> bool | None:
+        """True while the process runs, False once it is gone (exited, killed, or its pid reused by a
+        newer process), None when that cannot be told from here (another host)."""
+        if self.host != socket.gethostname():
+            return None
+        try:
+            process = psutil.Process(self.pid)
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return False
+            return abs(process.create_time() - self.started) < START_TIME_TOLERANCE_S
+        except psutil.NoSuchProcess:
+            return False
+
+
+@dataclass(frozen=True)
+class HolderRecord:
+    """One held slot: which lease, which flow run, which process, since when (epoch seconds)."""
+
+    limit: str
+    lease_id: str
+    flow_run_id: str | None
+    flow_run_name: str | None
+    host: str
+    pid: int
+    started: float
+    since: float
+
+    @property
+    def process(self) -> ProcessIdentity:
+        return ProcessIdentity(self.host, self.pid, self.started)
+
+    def describe(self) -> str:
+        run = "a run"
+        if self.flow_run_id:
+            run = (
+                f"flow run {self.flow_run_name} {self.flow_run_id}"
+                if self.flow_run_name
+                else f"flow run {self.flow_run_id}"
+            )
+        held = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"{run} (pid {self.pid} on {self.host}), holding it since {held}"
+
+
+class HolderBook:
+    """The records of one limit's holders in `directory`, and the lock that makes "take the slot, write the
+    record" and "read the records, give back a dead holder's slot" exclusive of each other (flock on
+    `<directory>/.lock`: held by open file, so threads of one process exclude each other too)."""
+
+    def __init__(self, directory: Path | str):
+        self.directory = Path(directory)
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def path(self, lease_id: str) -> Path:
+        return self.directory / f"{lease_id}.json"
+
+    def write(self, record: HolderRecord) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.path(record.lease_id), json.dumps(asdict(record)))
+
+    def remove(self, lease_id: str) -> None:
+        self.path(lease_id).unlink(missing_ok=True)
+
+    def records(self) -> list[HolderRecord]:
+        """Every record, oldest first; an unreadable one (a disk that filled mid-write) is dropped."""
+        found = []
+        for path in sorted(self.directory.glob("*.json")):
+            try:
+                found.append(HolderRecord(**json.loads(path.read_text())))
+            except (OSError, ValueError, TypeError):
+                path.unlink(missing_ok=True)
+        return sorted(found, key=lambda r: r.since)

