@@ -1,17 +1,20 @@
 """Prefect task of draft training. Keyed on the training settings (not device, sharding, compilation or
 checkpointing), the upstream manifests and, for a warm start, the content of the checkpoint started from:
-the nightly run warm-starts from `current`, a folder whose name stays while its drafter changes."""
+the nightly run warm-starts from `current`, a folder whose name stays while its drafter changes. The
+training curves (`<run_dir>/draft/training_curves.png`) become the `training-curves` artifact."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from prefect import task
+from prefect.artifacts import create_markdown_artifact
 
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.faults import faulting_progress
+from eagle3_core.training.curves import curves_markdown
 from tasks.gpu import gpu_slot
 from tasks.policy import PhaseCachePolicy, phase_task_options, run_phase
 from tasks.progress import PrefectProgress
@@ -52,7 +55,11 @@ def train_draft_task(
 
     with gpu_slot(config.orchestration.gpu_limit):
         progress = faulting_progress(PHASE, PrefectProgress(config.orchestration.progress_interval_s))
-        return run_phase(
+        checkpoint = run_phase(
             PHASE,
             lambda: train_draft(config, hidden_states, vocab_map, target, RunEvents(config.run_dir), progress=progress),
         )
+    curves = curves_markdown(checkpoint.root_path)
+    if curves is not None:
+        create_markdown_artifact(curves, key="training-curves", description="Loss, top-1, acceptance, lr, grad norm")
+    return checkpoint

@@ -25,6 +25,7 @@ from eagle3_core.events import DECISION, RESUME, RunEvents
 from eagle3_core.extraction.storage import dequantize_states
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.sample_table import is_heldout
+from eagle3_core.training.curves import TrainingCurves
 from eagle3_core.training.distributed import Group, all_reduce_sum, barrier, wrap
 from eagle3_core.training.loss import (
     TargetHead,
@@ -270,10 +271,13 @@ def run_training(
     progress: ProgressCallback = ignore_progress,
     stop_after: int | None = None,
     report_interval_s: float = REPORT_INTERVAL_S,
+    curves: TrainingCurves | None = None,
 ) -> tuple[int, dict[str, float]]:
     """Train (resuming from `state_dir` when it holds a state) and return (steps done, metrics).
     `stop_after` ends the process early at that step (as a crash would), after its checkpoint if due.
-    Progress and history rows of every step, made at most every `report_interval_s` (`report_due`)."""
+    Progress and history rows of every step, made at most every `report_interval_s` (`report_due`);
+    `curves` (TensorBoard events and the PNG, `curves.TrainingCurves`) get them at the same reports."""
+    curves = curves or TrainingCurves(None)
     device = group.device
     pad_multiple = 128 if device.type == "cuda" else 1
     objective.to(device)
@@ -317,6 +321,7 @@ def run_training(
                 },
             }
         )
+    curves.start(step, history)
     meter, start_step, tokens_seen = RateMeter(), step, 0.0
     pending: list[tuple[int, float, torch.Tensor]] = []  # (step, lr, step_record) not yet reported
     last_report = time.monotonic()
@@ -341,6 +346,7 @@ def run_training(
                     message=f"loss {row['loss']:.3f} top1@0 {row['top1_0']:.2f} {tokens_per_s:,.0f} tok/s",
                 )
             )
+        curves.report(pending, records)
         pending.clear()
         last_report = time.monotonic()
 
@@ -352,7 +358,7 @@ def run_training(
             with autocast(device):
                 loss, stats, _, _ = module(batch, head)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+            curves.step(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip))  # a device tensor, read at reports
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -375,5 +381,8 @@ def run_training(
     for row in history:
         metrics.update({k: v for k, v in row.items() if k.startswith("initial_")})
     if step == total and val_data is not None and len(val_data):
-        metrics.update(validate(objective, head, val_data, tc.batch_size, group, pad_multiple))
+        final = validate(objective, head, val_data, tc.batch_size, group, pad_multiple)
+        metrics.update(final)
+        curves.validation(step, final)
+    curves.close()
     return step, metrics
