@@ -11,7 +11,7 @@ Under `<run_dir>/draft/`:
 
 A resumed run continues the record: on resume at step S the rows of steps after S (trained again now) are
 dropped from `curves.jsonl`, and the event files are purged from S on (TensorBoard's `purge_step`), step S
-written again, so neither the plot nor TensorBoard shows a step twice. A fresh start clears both.
+written again, so neither the plot nor TensorBoard shows a step twice. A fresh start clears all three.
 
 The loop reads nothing from the device here except at its reports: each step's gradient norm stays a
 device tensor until `report`, which reads them all with one copy, right after the loop's own sync.
@@ -36,6 +36,7 @@ TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "training_curves.png"
 TRAIN, VALIDATION = "train", "validation"
 TAG_PREFIX = {TRAIN: "train", VALIDATION: "val"}
+MAX_POINTS = 2000  # per line of the PNG
 
 
 def train_row(step: int, lr: float, grad_norm: float, record: Sequence[float], tokens_per_s: float) -> dict:
@@ -121,6 +122,7 @@ class TrainingCurves:
         kept = [row for row in read_record(self.record_path) if kept_on_resume(row, step)] if step else []
         if not step:
             shutil.rmtree(log_dir, ignore_errors=True)
+            self.plot_path.unlink(missing_ok=True)
         write_text_atomic(self.record_path, "".join(json.dumps(row) + "\n" for row in kept))
         self.writer = SummaryWriter(str(log_dir), purge_step=step or None)
         self._write_events([row for row in kept if row["step"] >= step])  # purged with everything after it
@@ -205,20 +207,21 @@ def curves_png(rows: list[dict]) -> bytes:
     positions = sorted({int(k.rsplit("_", 1)[1]) for row in train + val for k in row if k.startswith("top1_")})
     steps = [row["step"] for row in train]
     window = max(1, len(train) // 50)
+    stride = max(1, len(train) // MAX_POINTS)  # long runs: every stride-th point drawn
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 
     def line(ax, name: str, color: str, label: str) -> None:
         if train and name in train[0]:
             values = [row[name] for row in train]
-            ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
-            ax.plot(steps, smooth(values, window), color=color, linewidth=1.5, label=label)
+            ax.plot(steps[::stride], values[::stride], color=color, alpha=0.25, linewidth=0.8)
+            ax.plot(steps[::stride], smooth(values, window)[::stride], color=color, linewidth=1.5, label=label)
 
     def markers(ax, name: str, color: str, label: str) -> None:
         points = [(row["step"], row[name]) for row in val if name in row]
         if points:
             ax.plot(*zip(*points, strict=True), "o--", color=color, markersize=5, linewidth=0.8, label=label)
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), dpi=90)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), dpi=80)
     (loss_ax, top1_ax), (accept_ax, lr_ax) = axes
     line(loss_ax, "loss", "black", "train loss (weighted)")
     for k in positions:
@@ -242,9 +245,12 @@ def curves_png(rows: list[dict]) -> bytes:
     norm_ax = lr_ax.twinx()
     line(norm_ax, "grad_norm", colors[1], "grad norm")
     norm_ax.set_ylabel("grad norm (before clipping)")
-    for ax in (loss_ax, top1_ax, accept_ax, lr_ax, norm_ax):
+    for ax in (loss_ax, top1_ax, accept_ax):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, loc="best")
+    (lr_lines, lr_labels), (norm_lines, norm_labels) = (ax.get_legend_handles_labels() for ax in (lr_ax, norm_ax))
+    if lr_lines or norm_lines:
+        norm_ax.legend(lr_lines + norm_lines, lr_labels + norm_labels, fontsize=7, loc="best")
     if train:
         rates = sorted(row["tokens_per_s"] for row in train)
         fig.suptitle(f"{steps[-1]} steps, median {rates[len(rates) // 2]:,.0f} tokens/s", fontsize=10)

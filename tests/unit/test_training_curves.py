@@ -114,7 +114,7 @@ def test_a_fresh_start_clears_the_curves_of_an_earlier_run(straight: Path, tmp_p
     curves = TrainingCurves(tmp_path)
     curves.start(0)
     curves.close()
-    assert read_record(tmp_path / RECORD_FILE) == []
+    assert read_record(tmp_path / RECORD_FILE) == [] and not (tmp_path / PLOT_FILE).exists()
     assert scalars(tmp_path / TENSORBOARD_DIR) == {}
 
 
