@@ -251,8 +251,8 @@ def curves_png(rows: list[dict]) -> bytes:
     (lr_lines, lr_labels), (norm_lines, norm_labels) = (ax.get_legend_handles_labels() for ax in (lr_ax, norm_ax))
     if lr_lines or norm_lines:
         norm_ax.legend(lr_lines + norm_lines, lr_labels + norm_labels, fontsize=7, loc="best")
-    if train:
-        rates = sorted(row["tokens_per_s"] for row in train)
+    rates = sorted(row["tokens_per_s"] for row in train if "tokens_per_s" in row)
+    if rates:
         fig.suptitle(f"{steps[-1]} steps, median {rates[len(rates) // 2]:,.0f} tokens/s", fontsize=10)
     fig.tight_layout()
     buffer = io.BytesIO()
