@@ -302,7 +302,7 @@ def test_the_training_task_publishes_the_training_curves(config, tmp_path, monke
     @flow
     def training_flow() -> DraftCheckpoint:
         upstream = (HiddenStateSet(root=str(tmp_path)), VocabMap(root=str(tmp_path)), fake_target(tmp_path))
-        return train_draft_task(config, *upstream)
+        return configured(train_draft_task, config, "training")(config, *upstream)  # results under the run
 
     assert training_flow() == checkpoint
     with get_client(sync_client=True) as client:
