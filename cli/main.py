@@ -135,7 +135,8 @@ def run_command(
         from flows.train_drafter import train_drafter as flow_function
     report = flow_function(cfg)
     summary = (cfg.run_dir / "summary" / "summary.md").read_text()
-    console.print(summary.split("![acceptance")[0], highlight=False, markup=False)
+    text = "\n".join(line for line in summary.splitlines() if "](data:image/" not in line)  # plots: files
+    console.print(text, highlight=False, markup=False)
     console.print(
         f"acceptance length {report.acceptance_length:.3f} at k={report.num_speculative_tokens}; "
         f"flow wall time {time.monotonic() - start:.1f} s",

@@ -1,10 +1,10 @@
 """The report that ends a flow run: which phases ran and which came from cache, every full weight load of
-this run (read from events.jsonl, the same lines tests count), the acceptance table and plot, and where the
-drafter is. Rendered once as markdown: a Prefect artifact in the UI, a file in the run, text on the CLI."""
+this run (read from events.jsonl, the same lines tests count), the acceptance table and plot, where the
+drafter is, and its training curves. Rendered once as markdown: a Prefect artifact in the UI, a file in the
+run, text on the CLI."""
 
 from __future__ import annotations
 
-import base64
 import io
 from pathlib import Path
 from typing import Any
@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from eagle3_core.artifacts import DraftCheckpoint, EvalReport
 from eagle3_core.events import CACHE_HIT, WEIGHT_LOAD, RunEvents
+from eagle3_core.training.curves import curves_markdown, embedded_png
 
 
 class PhaseRun(BaseModel):
@@ -109,12 +110,14 @@ def render_summary(
     if report is not None:
         lines += ["## Acceptance", "", *acceptance_table(report), ""]
         if plot_path is not None:
-            encoded = base64.b64encode(plot_path.read_bytes()).decode()
-            lines += [f"![acceptance per position](data:image/png;base64,{encoded})", ""]
+            lines += [embedded_png(plot_path, "acceptance per position"), ""]
             lines += [f"Plot: `{plot_path}`", ""]
     if checkpoint is not None:
         lines += ["## Drafter", "", f"Checkpoint (step {checkpoint.step}): `{checkpoint.root}`"]
         lines += [f"vLLM-loadable export: `{Path(checkpoint.root) / 'export'}`", ""]
+        curves = curves_markdown(Path(checkpoint.root))
+        if curves is not None:
+            lines += ["## Training curves", "", curves, ""]
     return "\n".join(lines)
 
 

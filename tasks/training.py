@@ -1,15 +1,18 @@
 """Prefect task of draft training. Keyed on the training settings (not device, sharding, compilation or
 checkpointing), the upstream manifests and, for a warm start, the content of the checkpoint started from:
-the nightly run warm-starts from `current`, a folder whose name stays while its drafter changes."""
+the nightly run warm-starts from `current`, a folder whose name stays while its drafter changes. The
+training curves (`<run_dir>/draft/training_curves.png`) become the `training-curves` artifact."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from prefect import task
+from prefect.artifacts import create_markdown_artifact
 
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap
 from eagle3_core.config import PipelineConfig
+from eagle3_core.training.curves import curves_markdown
 from tasks.policy import PhaseCachePolicy, phase_task_options, run_gpu_phase
 
 PHASE = "training"
@@ -46,6 +49,10 @@ def train_draft_task(
     """Train (or resume training) the draft; exports the vLLM-loadable folder."""
     from eagle3_core.training import train_draft
 
-    return run_gpu_phase(
+    checkpoint = run_gpu_phase(
         PHASE, config, lambda events, progress: train_draft(config, hidden_states, vocab_map, target, events, progress)
     )
+    curves = curves_markdown(checkpoint.root_path)
+    if curves is not None:
+        create_markdown_artifact(curves, key="training-curves", description="Loss, top-1, acceptance, lr, grad norm")
+    return checkpoint

@@ -26,6 +26,7 @@ from eagle3_core.events import DECISION, RESUME, RunEvents
 from eagle3_core.extraction.storage import dequantize_states
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.sampling.table import is_heldout
+from eagle3_core.training.curves import TrainingCurves
 from eagle3_core.training.distributed import Group, all_reduce_sum, barrier, wrap
 from eagle3_core.training.loss import (
     TargetHead,
@@ -340,7 +341,7 @@ def resume_or_start(
 class Cadence:
     """When the loop reports and checkpoints. A step's `step_record` waits on the device until a report is
     due (`report_due`: every checkpoint, the end, and every `interval_s`); the report turns all pending
-    records into history rows and progress updates with one host sync."""
+    records into history rows and progress updates with one host sync, and hands them to `curves`."""
 
     def __init__(
         self,
@@ -350,9 +351,11 @@ class Cadence:
         checkpoint_every: int,
         progress: ProgressCallback,
         interval_s: float,
+        curves: TrainingCurves,
     ):
         self.history, self.schedule, self.start_step = history, schedule, start_step
         self.checkpoint_every, self.progress, self.interval_s = checkpoint_every, progress, interval_s
+        self.curves = curves
         self.meter, self.tokens_seen = RateMeter(), 0.0
         self.pending: list[tuple[int, float, torch.Tensor]] = []  # (step, lr, step_record) not yet reported
         self.last_report = time.monotonic()
@@ -387,6 +390,7 @@ class Cadence:
                     message=f"loss {row['loss']:.3f} top1@0 {row['top1_0']:.2f} {tokens_per_s:,.0f} tok/s",
                 )
             )
+        self.curves.report(self.pending, records)
         self.pending.clear()
         self.last_report = time.monotonic()
 
@@ -437,9 +441,12 @@ def run_training(
     events: RunEvents,
     progress: ProgressCallback = ignore_progress,
     report_interval_s: float = REPORT_INTERVAL_S,
+    curves: TrainingCurves | None = None,
 ) -> tuple[int, dict[str, float]]:
     """Train (resuming from `state_dir` when it holds a state) and return (steps done, metrics).
-    Progress and history rows of every step, made at most every `report_interval_s` (`Cadence`)."""
+    Progress and history rows of every step, made at most every `report_interval_s` (`Cadence`);
+    `curves` (TensorBoard events and the PNG, `curves.TrainingCurves`) get them at the same reports."""
+    curves = curves or TrainingCurves(None)
     device = group.device
     pad_multiple = 128 if device.type == "cuda" else 1
     module, head = place_objective(objective, head, tc, group, events)
@@ -453,7 +460,8 @@ def run_training(
     step, history = resume_or_start(
         state_dir, module, optimizer, scheduler, schedule, group, events, validation if validating else None
     )
-    cadence = Cadence(history, schedule, step, tc.checkpoint_every, progress, report_interval_s)
+    curves.start(step, history)
+    cadence = Cadence(history, schedule, step, tc.checkpoint_every, progress, report_interval_s, curves)
     plan = step_batches(len(train_data), tc.batch_size, group, tc.seed, schedule.steps_per_epoch, step, schedule.total)
     with BatchPrefetcher(train_data, plan, device, pad_multiple, objective.ttt_steps) as batches:
         while step < schedule.total:
@@ -461,7 +469,7 @@ def run_training(
             with autocast(device):
                 loss, stats, _, _ = module(batch, head)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+            curves.step(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip))  # a device tensor, read at reports
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -473,5 +481,8 @@ def run_training(
     cadence.report()
     metrics = final_metrics(history)
     if step == schedule.total and validating:
-        metrics.update(validation())
+        final = validation()
+        metrics.update(final)
+        curves.validation(step, final)
+    curves.close()
     return step, metrics

@@ -1,6 +1,7 @@
 """Phase 5, train the draft: wire hidden states, vocab map and target into the loop, then export the
 vLLM/SGLang-loadable folder to `<run_dir>/draft/export/` with the resumable state beside it
-(`<run_dir>/draft/state/`). Under torchrun every rank calls this; rank 0 writes."""
+(`<run_dir>/draft/state/`) and the training curves (`<run_dir>/draft/tensorboard/`, `curves.jsonl`,
+`training_curves.png`: `curves`). Under torchrun every rank calls this; rank 0 writes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.files import sha256_json, write_text_atomic
 from eagle3_core.preflight import preflight_training
 from eagle3_core.progress import ProgressCallback, ignore_progress
+from eagle3_core.training.curves import TrainingCurves
 from eagle3_core.training.distributed import Group, barrier, init_group
 from eagle3_core.training.loop import PHASE, run_training, split_validation
 from eagle3_core.training.loss import TargetHead, TTTObjective
@@ -141,7 +143,10 @@ def train_draft(
     state_dir = out_dir / STATE_DIR
     prepare_state_dir(state_dir, sha256_json({"config": cfg, "upstream": upstream}), events, group)
     objective = TTTObjective(draft, tc.ttt_steps, tc.step_weight, tc.attention)
-    step, metrics = run_training(objective, head, train_data, val_data, tc, state_dir, group, events, progress)
+    curves = TrainingCurves(out_dir if group.is_main else None)  # draft/tensorboard/, draft/training_curves.png
+    step, metrics = run_training(
+        objective, head, train_data, val_data, tc, state_dir, group, events, progress, curves=curves
+    )
     full_state = get_model_state_dict(objective, options=FULL)
     checkpoint = None
     if group.is_main:

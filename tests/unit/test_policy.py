@@ -19,7 +19,7 @@ from prefect import flow, task
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
 
-from eagle3_core.artifacts import FileRecord, Manifest, TargetModel
+from eagle3_core.artifacts import DraftCheckpoint, FileRecord, HiddenStateSet, Manifest, TargetModel, VocabMap
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.extraction.storage import ShardError
@@ -42,6 +42,7 @@ from tasks.progress import PrefectProgress, artifact_key, describe
 from tasks.sampling import POLICY as SAMPLING_POLICY
 from tasks.target import prepare_target_task
 from tasks.training import POLICY as TRAINING_POLICY
+from tasks.training import train_draft_task
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -310,6 +311,31 @@ def test_progress_artifacts_are_throttled_and_finish_at_100():
         artifacts = client.read_artifacts()
     progress = [a for a in artifacts if a.key == artifact_key("sampling", "requests")]
     assert progress and progress[0].type == "progress" and progress[0].data == 100.0
+
+
+def test_the_training_task_publishes_the_training_curves(config, tmp_path, monkeypatch):
+    from eagle3_core.training.curves import PLOT_FILE, curves_png
+    from tests.unit.test_vocab import fake_target
+
+    draft_dir = Path(config.run_dir) / "draft"
+    draft_dir.mkdir(parents=True)
+    rows = [{"kind": "train", "step": s, "loss": 3.0 / s, "top1_0": 0.1 * s, "lr": 1e-3} for s in (1, 2, 3)]
+    (draft_dir / PLOT_FILE).write_bytes(curves_png(rows))
+    checkpoint = DraftCheckpoint(root=str(draft_dir), step=3)
+    monkeypatch.setattr("eagle3_core.training.train_draft", lambda *args, **kwargs: checkpoint)
+    ensure_concurrency_limit(config.orchestration.gpu_limit)
+
+    @flow
+    def training_flow() -> DraftCheckpoint:
+        upstream = (HiddenStateSet(root=str(tmp_path)), VocabMap(root=str(tmp_path)), fake_target(tmp_path))
+        return configured(train_draft_task, config, "training")(config, *upstream)  # results under the run
+
+    assert training_flow() == checkpoint
+    with get_client(sync_client=True) as client:
+        artifacts = [a for a in client.read_artifacts() if a.key == "training-curves"]
+    assert artifacts and artifacts[0].type == "markdown"
+    assert "![training curves](data:image/png;base64," in artifacts[0].data
+    assert f"tensorboard --logdir {draft_dir / 'tensorboard'}" in artifacts[0].data
 
 
 HOLDER = textwrap.dedent(

@@ -3,6 +3,7 @@ draft identical, train it, and the gathered checkpoint resumes."""
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch.multiprocessing as mp
 from eagle3_core.config import TrainingConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.serving.engine import free_port
+from eagle3_core.training.curves import RECORD_FILE, read_record
 from tests.unit.test_training_loop import setup, synthetic_data
 
 
@@ -29,6 +31,7 @@ def worker(rank: int, world: int, port: int, sharding: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from eagle3_core.training.curves import TrainingCurves
     from eagle3_core.training.distributed import init_group
     from eagle3_core.training.loop import run_training
 
@@ -36,7 +39,9 @@ def worker(rank: int, world: int, port: int, sharding: str, out: str) -> None:
     group = init_group("cpu")
     objective, head = setup()
     tc = TrainingConfig(max_steps=4, checkpoint_every=2, lr=3e-3, batch_size=1, sharding=sharding)
-    run_training(objective, head, synthetic_data(6), None, tc, Path(out) / "state", group, RunEvents(out))
+    curves = TrainingCurves(Path(out) if group.is_main else None)  # every rank reads the grad norm (FSDP2)
+    data, state_dir = synthetic_data(6), Path(out) / "state"
+    run_training(objective, head, data, None, tc, state_dir, group, RunEvents(out), curves=curves)
     # Each rank's own copy (FSDP2 shards gathered), to show the ranks hold one and the same draft.
     state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in objective.state_dict().items()}
     torch.save(state, Path(out) / f"rank{rank}.pt")
@@ -54,6 +59,9 @@ def test_two_ranks_train_one_draft(tmp_path: Path, sharding: str) -> None:
         assert torch.equal(rank0[name], rank1[name]), name
     assert not torch.equal(rank0["draft.fc.weight"], initial["draft.fc.weight"])
     assert sorted(p.name for p in (tmp_path / "state").glob("step-*.pt")) == ["step-00000002.pt", "step-00000004.pt"]
+    rows = read_record(tmp_path / RECORD_FILE)  # rank 0's curves: the whole gradient's norm
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert all(math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0 for row in rows)
 
 
 def gradient_worker(rank: int, world: int, port: int, out: str) -> None:

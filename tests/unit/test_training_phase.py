@@ -56,6 +56,8 @@ def test_train_draft_end_to_end(request, tmp_path, sample_set, target_name) -> N
     tokens, _ = draft.propose(DraftKVCache(), torch.randn(5, 3, target.hidden_size), torch.arange(5), 3)
     assert bool(draft.t2d[tokens].all())
     assert (checkpoint.root_path / "state" / "step-00000004.pt").exists()
+    curves = [checkpoint.root_path / name for name in ("training_curves.png", "curves.jsonl", "tensorboard")]
+    assert all(path.exists() for path in curves)  # rank 0's curves, beside the state
     export_training_state(config, hidden, vocab_map, target, tmp_path / "re-export")  # newest state = final
     exported, again = load_file(export / "model.safetensors"), load_file(tmp_path / "re-export" / "model.safetensors")
     assert exported.keys() == again.keys() and all(torch.equal(exported[k], again[k]) for k in exported)
