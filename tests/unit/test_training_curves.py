@@ -98,7 +98,7 @@ def test_a_resumed_run_continues_the_record_without_repeating_steps(
     assert [row["step"] for row in read_record(tmp_path / RECORD_FILE) if row["kind"] == "train"] == [1, 2, 3, 4]
     with open(tmp_path / RECORD_FILE, "a") as record:
         record.write('{"kind": "train", "st')  # a line cut short by the crash
-    (tmp_path / PLOT_FILE).unlink()
+    assert not (tmp_path / PLOT_FILE).exists(), "drawn when training ends, which the crash never reached"
     train(tmp_path)
 
     rows = read_record(tmp_path / RECORD_FILE)
