@@ -80,6 +80,8 @@ def build_optimizer(module: nn.Module, tc: TrainingConfig, device: torch.device)
     fused = device.type == "cuda"
     if tc.optimizer == "muon":
         muon, adamw = muon_parameters(module)
+        if any(type(p).__name__ == "DTensor" for p in muon):  # FSDP2 shards: Newton-Schulz needs whole matrices
+            raise ValueError("training.optimizer=muon needs whole weight matrices: use training.sharding=ddp or adamw")
         return MuonAdamW(muon, adamw, tc.lr, tc.muon_weight_decay, tc.weight_decay, fused=fused)
     params = [p for p in module.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=tc.lr, betas=BETAS, weight_decay=tc.weight_decay, fused=fused)

@@ -35,7 +35,8 @@ def worker(rank: int, world: int, port: int, sharding: str, out: str) -> None:
     torch.set_num_threads(1)
     group = init_group("cpu")
     objective, head = setup()
-    tc = TrainingConfig(max_steps=4, checkpoint_every=2, lr=3e-3, batch_size=1, sharding=sharding)
+    optimizer = "adamw" if sharding == "fsdp2" else "muon"  # Muon needs whole matrices (DDP)
+    tc = TrainingConfig(max_steps=4, checkpoint_every=2, lr=3e-3, batch_size=1, sharding=sharding, optimizer=optimizer)
     run_training(objective, head, synthetic_data(6), None, tc, Path(out) / "state", group, RunEvents(out))
     # Each rank's own copy (FSDP2 shards gathered), to show the ranks hold one and the same draft.
     state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in objective.state_dict().items()}
