@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 SECRET_KEY_VARIABLE = "EAGLE3_API_KEY"
@@ -184,10 +184,37 @@ class TrainingConfig(Section):
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (None: epochs).")
     max_length: int = Field(2048, ge=16, description="Tokens per packed sequence.")
     batch_size: int = Field(1, ge=1, description="Packed sequences per optimizer step and process.")
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate of AdamW.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "muon",
+        description="adamw: AdamW on every parameter; muon: torch.optim.Muon (match_rms_adamw, so the same lr) "
+        "on the 2-D weights of fc and the layer, AdamW on the rest (norms, lm_head); muon needs sharding ddp.",
+    )
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate (of both optimizers with muon).")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay (with muon: of AdamW's parameters).")
+    muon_weight_decay: float = Field(0.1, ge=0, description="Muon weight decay of the 2-D weights (optimizer muon).")
+    lr_schedule: Literal["cosine", "linear"] = Field(
+        "cosine", description="Decay after the warmup to min_lr_ratio of the peak: cosine or linear."
+    )
     warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of steps with linear warmup.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a share of the peak.")
+    freeze_lm_head: bool = Field(
+        False, description="Keep lm_head at the target's rows of the draft vocabulary (not trained)."
+    )
+    mask_out_of_vocab: bool = Field(
+        False, description="Leave out of the loss positions whose target argmax lies outside the draft vocabulary."
+    )
+    norm_before_fc: bool = Field(
+        False, description="Draft: RMSNorm (`input_norm`) over the concatenated aux states before fc (vLLM flag)."
+    )
+    fc_norm: bool = Field(
+        True, description="Draft: one RMSNorm per aux state (`fc_norm.N`) before fc (EAGLE-3.1; vLLM flag)."
+    )
+    norm_before_residual: bool = Field(
+        True, description="Draft: the attention residual is the normed input state, not the raw one (vLLM flag)."
+    )
+    norm_output: bool = Field(
+        True, description="Draft: feed the final-normed output, not the pre-norm one, to the next step (vLLM flag)."
+    )
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     checkpoint_every: int = Field(200, ge=1, description="Save resumable training state every N steps.")
     holdout_fraction: float = Field(
@@ -206,6 +233,12 @@ class TrainingConfig(Section):
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile the draft's dense blocks + fused soft-CE: auto = on CUDA; same math."
     )
+
+    @model_validator(mode="after")
+    def _muon_needs_whole_matrices(self) -> TrainingConfig:
+        if self.optimizer == "muon" and self.sharding == "fsdp2":
+            raise ValueError("optimizer muon needs whole weight matrices (sharding ddp); with fsdp2 use adamw")
+        return self
 
 
 class EvaluationConfig(Section):

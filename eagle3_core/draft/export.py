@@ -7,7 +7,9 @@ name they read (`model.` + name, `midlayer.` -> `layers.0.`) and then copy tenso
 already exist. A parameter whose tensor is missing or misnamed keeps its initial value (zeros, ones or
 random) and nothing is reported; for `d2t` that value is zeros, i.e. draft id == target id. The engine
 starts, drafts, verifies, and acceptance silently falls to about zero. So the export writes exactly
-`WEIGHT_NAMES` (an explicit draft-module -> checkpoint map) and refuses a state that lacks any of them.
+`weight_names` (an explicit draft-module -> checkpoint map: `WEIGHT_NAMES` plus the norms of the recipe
+flags) and refuses a state that lacks any of them. The recipe flags go into config.json (`RECIPE_FLAGS`),
+so the engine builds the layer that was trained.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ WEIGHT_NAMES: dict[str, str] = {
         "t2d",
     )
 }
+# The recipe flags written to config.json (vLLM 0.32's `llama_eagle3` reads each at the top level).
+RECIPE_FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 # Integer/bool tensors keep their dtype; every float tensor is written in the export dtype.
 INDEX_TENSORS = {"d2t": torch.int64, "t2d": torch.bool}
 
@@ -72,7 +76,7 @@ def hf_config(config: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
         "tie_word_embeddings": False,
         "vocab_size": config.vocab_size,
         "draft_vocab_size": config.draft_vocab_size,
-        "norm_before_residual": False,
+        **{flag: getattr(config, flag) for flag in RECIPE_FLAGS},
         "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
@@ -104,7 +108,19 @@ def config_from_hf(data: dict) -> DraftConfig:
         max_position_embeddings=data["max_position_embeddings"],
         bos_token_id=data.get("bos_token_id"),
         eos_token_id=data.get("eos_token_id"),
+        **{flag: bool(data.get(flag, False)) for flag in RECIPE_FLAGS},
     )
+
+
+def weight_names(config: DraftConfig) -> dict[str, str]:
+    """`WEIGHT_NAMES` plus the norms the recipe flags add: `input_norm.weight` (norm_before_fc; vLLM loads
+    it as `model.input_norm`) and `fc_norm.N.weight`, one per aux layer (fc_norm; `model.fc_norm.N`)."""
+    names = dict(WEIGHT_NAMES)
+    if config.norm_before_fc:
+        names["input_norm.weight"] = "input_norm.weight"
+    if config.fc_norm:
+        names.update({f"fc_norm.{i}.weight": f"fc_norm.{i}.weight" for i in range(len(config.aux_layer_ids))})
+    return names
 
 
 def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
@@ -113,7 +129,12 @@ def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
     q_width = config.num_attention_heads * config.head_dim
     kv_width = config.num_key_value_heads * config.head_dim
     layer = "midlayer."
+    norms = {"input_norm.weight": (config.fc_input_size,)} if config.norm_before_fc else {}
+    if config.fc_norm:
+        target_hidden = config.target_hidden_size or hidden
+        norms.update({f"fc_norm.{i}.weight": (target_hidden,) for i in range(len(config.aux_layer_ids))})
     return {
+        **norms,
         "fc.weight": (hidden, config.fc_input_size),
         layer + "input_layernorm.weight": (hidden,),
         layer + "hidden_norm.weight": (hidden,),
@@ -148,10 +169,10 @@ def check_checkpoint(tensors: dict[str, torch.Tensor], config: DraftConfig) -> N
 
 
 def checkpoint_tensors(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors, renamed through `WEIGHT_NAMES`, float ones cast to `dtype`, on the CPU."""
+    """The checkpoint's tensors, renamed through `weight_names`, float ones cast to `dtype`, on the CPU."""
     state = draft.state_dict()
     tensors = {}
-    for module_name, checkpoint_name in WEIGHT_NAMES.items():
+    for module_name, checkpoint_name in weight_names(draft.config).items():
         tensor = state[module_name].detach().cpu()
         tensors[checkpoint_name] = tensor.to(INDEX_TENSORS.get(checkpoint_name, dtype)).contiguous()
     return tensors

@@ -5,7 +5,11 @@ the checkpoint names vLLM's `llama_eagle3` and SGLang's `LlamaForCausalLMEagle3`
 Conventions (the same in training and decoding, and in vLLM):
 - `aux` is `[..., 3, Ht]`, the target's states at the ascending `aux_layer_ids`; `fc` reads their concatenation.
 - At index i the draft reads (state of position i, embedding of token i+1) at rotary position i and predicts
-  token i+2. A chain continues at position i+k with the draft's own pre-norm output as the next state.
+  token i+2. A chain continues at position i+k with the draft's own output as the next state: the pre-norm
+  output, or with `norm_output` the final-normed one.
+- The recipe flags of `DraftConfig` (`norm_before_fc`, `fc_norm`, `norm_before_residual`, `norm_output`) are
+  vLLM 0.32's `llama_eagle3` flags of the same names, with the same math and weight names (`input_norm`,
+  `fc_norm.N`); all False is the original EAGLE-3 layer.
 - Token ids given to and returned by the public API are TARGET ids; `lm_head` scores draft ids, mapped with
   `draft_to_target` (target = draft + d2t[draft]).
 
@@ -51,6 +55,11 @@ class DraftConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Recipe flags (vLLM's names; config.json carries them):
+    norm_before_fc: bool = False  # one RMSNorm `input_norm` over the concatenated aux states, before fc
+    fc_norm: bool = False  # one RMSNorm `fc_norm.N` per aux state, before fc (after input_norm if both)
+    norm_before_residual: bool = False  # the residual around attention is hidden_norm(hidden), not hidden
+    norm_output: bool = False  # the state fed to the next draft step is norm(output), not the pre-norm output
 
     @property
     def fc_input_size(self) -> int:
@@ -162,10 +171,12 @@ class DraftMLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    """vLLM's layer 0 with `norm_before_residual=False`: the residual is the un-normed input state."""
+    """vLLM's layer 0: the residual is the un-normed input state, or with `norm_before_residual` the
+    hidden_norm'ed one."""
 
     def __init__(self, config: DraftConfig):
         super().__init__()
+        self.norm_before_residual = config.norm_before_residual
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DraftAttention(config)
@@ -253,7 +264,8 @@ class DraftLayer(nn.Module):
         weights = weights if weights is not None else self.projection_weights(compute_dtype(self.mlp.up_proj.weight))
         embed_proj = embed_proj if embed_proj is not None else self.embed_projection(embeds, weights)
         q, k, v = self.attention_inputs(hidden, embed_proj, positions, weights)
-        return self.finish(hidden, attend(q, k, v), weights)
+        residual = self.hidden_norm(hidden).to(hidden.dtype) if self.norm_before_residual else hidden
+        return self.finish(residual, attend(q, k, v), weights)
 
 
 def compute_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -294,13 +306,31 @@ class Eagle3Draft(nn.Module):
         self.midlayer = DraftLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        target_hidden = config.target_hidden_size or config.hidden_size
+        self.input_norm = RMSNorm(config.fc_input_size, config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(target_hidden, config.rms_norm_eps) for _ in config.aux_layer_ids)
+            if config.fc_norm
+            else None
+        )
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
 
     # ---- building blocks -------------------------------------------------------------------------------
     def combine_aux(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux [..., 3, Ht] -> fc(concat) [..., H]."""
-        return self.fc(aux.flatten(-2).to(compute_dtype(self.fc.weight)))
+        """aux [..., 3, Ht] -> fc(concat) [..., H]; the concatenation normed first by `input_norm`
+        (norm_before_fc), then each aux state by its `fc_norm` (vLLM's `combine_hidden_states`)."""
+        flat = aux.flatten(-2)  # [..., 3*Ht]
+        if self.input_norm is not None:
+            flat = self.input_norm(flat)
+        if self.fc_norm is not None:
+            chunks = flat.chunk(len(self.fc_norm), dim=-1)
+            flat = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(flat.to(compute_dtype(self.fc.weight)))
+
+    def next_state(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """The state a draft step hands to the next one: its pre-norm output, or norm(output) (norm_output)."""
+        return self.norm(prenorm).to(prenorm.dtype) if self.config.norm_output else prenorm
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -350,10 +380,10 @@ class Eagle3Draft(nn.Module):
     ) -> list[torch.Tensor]:
         """Train-time test over packed sequences: aux [B, T, 3, Ht], input_ids/position_ids [B, T] -> one
         pre-norm state [B, T, H] per step. Step k at index i predicts token i+k+2; its inputs are the token
-        i+k+1 and (k > 0) the draft's own step k-1 state at index i, at position i+k. `attend` is called once
-        per step, in order, with that step's (q, k, v); the caller's callable decides what each entry sees
-        (in training: step-0 entries j <= i of the same document and its own chain, entries i of steps
-        1..k) and keeps the earlier steps' keys and values."""
+        i+k+1 and (k > 0) the draft's own step k-1 state at index i (`next_state`), at position i+k. `attend`
+        is called once per step, in order, with that step's (q, k, v); the caller's callable decides what
+        each entry sees (in training: step-0 entries j <= i of the same document and its own chain, entries
+        i of steps 1..k) and keeps the earlier steps' keys and values."""
         length = input_ids.shape[1]
         # Embedded once, padded with ttt_steps zero ids: step k reads a view (tokens i+k+1 at index i);
         # the padding only reaches indices whose predicted token lies past the end, never scored.
@@ -365,8 +395,9 @@ class Eagle3Draft(nn.Module):
         for step in range(ttt_steps):  # step 0: target states; step k > 0: the draft's own step k-1 output
             step_embeds = embeds[:, step + 1 : step + 1 + length]
             step_proj = embed_proj[:, step + 1 : step + 1 + length]
-            hidden = self.layer(hidden, step_embeds, position_ids + step, attend, weights, step_proj)
-            states.append(hidden)
+            output = self.layer(hidden, step_embeds, position_ids + step, attend, weights, step_proj)
+            states.append(output)
+            hidden = self.next_state(output)
         return states
 
     # ---- decoding ----------------------------------------------------------------------------------------
@@ -374,9 +405,10 @@ class Eagle3Draft(nn.Module):
     def step(
         self, cache: DraftKVCache, hidden: torch.Tensor, input_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append n entries to `cache` and return (logits [n, Vd], pre-norm states [n, H]).
+        """Append n entries to `cache` and return (logits [n, Vd], states for the next step [n, H]
+        (`next_state`)).
 
-        hidden [n, H]: fc(aux) of target states, or the draft's previous pre-norm state; input_ids [n]:
+        hidden [n, H]: fc(aux) of target states, or the draft's previous step's state; input_ids [n]:
         TARGET ids of the token after each state. Entries take positions cache.length .. +n-1 and attend
         causally to everything in the cache (one sequence, no batch)."""
         start = cache.length
@@ -393,7 +425,7 @@ class Eagle3Draft(nn.Module):
             )
 
         out = self.layer(hidden[None].to(self.fc.weight.dtype), self.embed(input_ids)[None], positions, attend)
-        return self.compute_logits(out[0]), out[0]
+        return self.compute_logits(out[0]), self.next_state(out[0])
 
     @torch.no_grad()
     def propose(

@@ -1,4 +1,5 @@
-"""The optimisation loop: AdamW, warmup + cosine decay, gradient clipping, bf16 autocast on GPU,
+"""The optimisation loop: AdamW or Muon + AdamW (`training.optimizer`), warmup + cosine or linear decay,
+gradient clipping, bf16 autocast on GPU,
 validation metrics per TTT position with a simulated acceptance length, resumable checkpoints.
 
 The data position is the optimizer step: epoch e's order is a permutation seeded by (seed, e), so step s
@@ -35,6 +36,7 @@ from eagle3_core.training.loss import (
     acceptance_summary,
     scored_rows,
 )
+from eagle3_core.training.optimizer import build_optimizer
 from eagle3_core.training.state import gather_state, latest_state, load_state, save_state
 
 PHASE = "training"
@@ -52,13 +54,15 @@ def split_validation(sample_ids: list[str], fraction: float) -> tuple[list[str],
     return [s for s in sample_ids if s not in chosen], validation
 
 
-def lr_factor(step: int, total: int, warmup_ratio: float, min_lr_ratio: float) -> float:
-    """Linear warmup over `warmup_ratio` of the steps, then cosine decay to `min_lr_ratio` of the peak."""
+def lr_factor(step: int, total: int, warmup_ratio: float, min_lr_ratio: float, schedule: str = "cosine") -> float:
+    """Linear warmup over `warmup_ratio` of the steps, then `schedule` ("cosine" or "linear") decay to
+    `min_lr_ratio` of the peak."""
     warmup = math.ceil(total * warmup_ratio)
     if step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    remaining = 1 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1 - min_lr_ratio) * remaining
 
 
 def rank_batches(num_items: int, batch_size: int, group: Group, seed: int, epoch: int | None) -> list[list[int]]:
@@ -301,13 +305,12 @@ def place_objective(
 def optimizer_and_schedule(
     module: torch.nn.Module, tc: TrainingConfig, schedule: Schedule, device: torch.device
 ) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """(trainable parameters, AdamW over them, its warmup + cosine schedule over `schedule.total` steps)."""
+    """(trainable parameters, the optimizer of `training.optimizer` over them, its warmup + decay schedule over
+    `schedule.total` steps)."""
     params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay, fused=device.type == "cuda"
-    )
+    optimizer = build_optimizer(module, tc, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, schedule.total, tc.warmup_ratio, tc.min_lr_ratio)
+        optimizer, lambda s: lr_factor(s, schedule.total, tc.warmup_ratio, tc.min_lr_ratio, tc.lr_schedule)
     )
     return params, optimizer, scheduler
 

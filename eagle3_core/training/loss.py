@@ -105,9 +105,11 @@ class _FusedSoftCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_rows, _grad_top1):
         hidden_c, weight_c, grad_logits = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
+        grad_weight = None
         with torch.autocast(hidden_c.device.type, enabled=False):
             grad_hidden = (grad_logits @ weight_c).to(hidden_dtype) * grad_loss.to(hidden_dtype)  # [N, H]
-            grad_weight = (grad_logits.T @ hidden_c).to(weight_dtype) * grad_loss.to(weight_dtype)  # [Vd, H]
+            if ctx.needs_input_grad[1]:  # not with a frozen lm_head (training.freeze_lm_head)
+                grad_weight = (grad_logits.T @ hidden_c).to(weight_dtype) * grad_loss.to(weight_dtype)  # [Vd, H]
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
@@ -165,6 +167,7 @@ class TargetHead:
     eps: float
     d2t: torch.Tensor  # [Vd]
     full_weight: torch.Tensor | None = None  # [V, H]
+    t2d: torch.Tensor | None = None  # [V] bool: target ids in the draft vocabulary
 
     @classmethod
     def from_target(
@@ -174,12 +177,13 @@ class TargetHead:
 
         tensors = load_target_tensors(target_dir, ["norm", "lm_head"])
         norm = None if last_state_normed else tensors["norm"]
-        return cls(tensors["lm_head"][t2d].contiguous(), norm, eps, d2t, tensors["lm_head"])
+        return cls(tensors["lm_head"][t2d].contiguous(), norm, eps, d2t, tensors["lm_head"], t2d.bool())
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> TargetHead:
         move = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+        t2d = None if self.t2d is None else self.t2d.to(device)
         return TargetHead(
-            move(self.weight), move(self.norm_weight), self.eps, self.d2t.to(device), move(self.full_weight)
+            move(self.weight), move(self.norm_weight), self.eps, self.d2t.to(device), move(self.full_weight), t2d
         )
 
     def normed(self, last: torch.Tensor) -> torch.Tensor:
@@ -205,6 +209,12 @@ class TargetHead:
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def in_draft_vocab(self, target_top1: torch.Tensor) -> torch.Tensor:
+        """Target ids (`full_top1`) -> bool: inside the draft vocabulary."""
+        if self.t2d is None:
+            raise ValueError("masking out-of-vocabulary positions needs the head's t2d")
+        return self.t2d[target_top1]
+
 
 class TTTObjective(nn.Module):
     """Draft + loss in one module, so DDP/FSDP wrap a single forward that returns the loss.
@@ -212,9 +222,19 @@ class TTTObjective(nn.Module):
     forward(batch) -> (loss, stats [K, 3] = per step: unweighted CE sum, top-1 agreements, scored tokens;
     agree [K, B, T] and valid [K, B, T] for the acceptance simulation)."""
 
-    def __init__(self, draft: Eagle3Draft, ttt_steps: int, step_weight: float, attention: str = "auto"):
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        ttt_steps: int,
+        step_weight: float,
+        attention: str = "auto",
+        mask_out_of_vocab: bool = False,
+    ):
         super().__init__()
         self.draft, self.ttt_steps, self.step_weight, self.attention = draft, ttt_steps, step_weight, attention
+        # Positions whose target argmax (whole vocabulary) the draft cannot emit weigh 0 in the loss; the
+        # top-1 / acceptance statistics still count them (decoding meets them too).
+        self.mask_out_of_vocab = mask_out_of_vocab
         self.rows_fn: RowsFn = soft_ce_rows
         self._step_weights: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -244,7 +264,8 @@ class TTTObjective(nn.Module):
             self.ttt_steps,
         )  # K x [B, T, H]
         target_logits = head.logits(batch["last"])  # [B, T, Vd], once per batch, shared by every step
-        target_top1 = head.full_top1(batch["last"]) if exact_top1 else head.draft_to_target(target_logits.argmax(-1))
+        exact = exact_top1 or self.mask_out_of_vocab
+        target_top1 = head.full_top1(batch["last"]) if exact else head.draft_to_target(target_logits.argmax(-1))
         lm_head = self.draft.lm_head.weight
         weight_c = lm_head.detach().to(torch.bfloat16 if lm_head.is_cuda else lm_head.dtype)
         if "scored" in batch:  # made by the loader
@@ -262,10 +283,16 @@ class TTTObjective(nn.Module):
         all_states = torch.cat([state.reshape(batch_size * length, -1) for state in states])  # [K*B*T, H]
         hidden = self.draft.norm(all_states.index_select(0, step * (batch_size * length) + flat))  # [N, H]
         step_weights = self.step_weights(len(states), hidden.device, hidden.dtype)  # [K]
-        per_step_weight = step_weights / counts.clamp(min=1)
+        target_rows = flat + step + 1  # [N]
+        if self.mask_out_of_vocab:  # weight 0 where the target's argmax is outside the draft vocabulary
+            keep = head.in_draft_vocab(target_top1).view(-1)[target_rows].to(hidden.dtype)  # [N]
+            kept = torch.zeros(len(states), dtype=hidden.dtype, device=hidden.device).index_add_(0, step, keep)
+            row_weights = (step_weights / kept.clamp(min=1))[step] * keep
+        else:
+            row_weights = (step_weights / counts.clamp(min=1))[step]
         flat_logits = target_logits.view(batch_size * length, -1)  # [B*T, Vd]
         loss, row_loss, draft_top1 = fused_soft_cross_entropy_rows(
-            hidden, lm_head, flat_logits, per_step_weight[step], flat + step + 1, weight_c, rows_fn=self.rows_fn
+            hidden, lm_head, flat_logits, row_weights, target_rows, weight_c, rows_fn=self.rows_fn
         )
         agree = torch.zeros_like(valid)
         agree[step, b, i] = self.draft.draft_to_target(draft_top1) == target_top1[b, i + step + 1]

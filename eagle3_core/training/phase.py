@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap, record_files
 from eagle3_core.config import PipelineConfig
-from eagle3_core.draft.export import export_draft, load_exported
+from eagle3_core.draft.export import RECIPE_FLAGS, export_draft, load_exported
 from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.files import sha256_json, write_text_atomic
@@ -90,12 +91,23 @@ def warm_start(draft: Eagle3Draft, previous: Eagle3Draft, source: str) -> None:
             draft.lm_head.weight[new_idx] = previous.lm_head.weight[old_idx].to(draft.lm_head.weight.dtype)
 
 
+def draft_config_of(
+    config: PipelineConfig, target: TargetModel, vocab_map: VocabMap, layer_ids: list[int]
+) -> DraftConfig:
+    """The draft's shape from the target's config.json, with the recipe flags of `training`."""
+    target_config = json.loads((target.root_path / "config.json").read_text())
+    shape = DraftConfig.from_target_config(target_config, vocab_map.draft_vocab_size, layer_ids)
+    return replace(shape, **{flag: getattr(config.training, flag) for flag in RECIPE_FLAGS})
+
+
 def build_draft(config: PipelineConfig, target: TargetModel, draft_config: DraftConfig, d2t, t2d) -> Eagle3Draft:
     torch.manual_seed(config.training.seed)
     draft = Eagle3Draft.from_target(draft_config, target.root_path, t2d, d2t)
     if config.training.warm_start:
         previous = load_exported(config.training.warm_start, target.root_path)
         warm_start(draft, previous, config.training.warm_start)
+    if config.training.freeze_lm_head:  # stays the target's rows (or the warm start's)
+        draft.lm_head.weight.requires_grad_(False)
     return draft
 
 
@@ -122,8 +134,7 @@ def train_draft(
     recorder = events if group.is_main else None  # every rank checks, one line is logged
     preflight_training(config, hidden_states, target, vocab_map.draft_vocab_size, out_dir, recorder)
     d2t, t2d = load_vocab_tensors(vocab_map, hidden_states.upstream.get("sample_set", ""))
-    target_config = json.loads((target.root_path / "config.json").read_text())
-    draft_config = DraftConfig.from_target_config(target_config, vocab_map.draft_vocab_size, hidden_states.layer_ids)
+    draft_config = draft_config_of(config, target, vocab_map, hidden_states.layer_ids)
     draft = build_draft(config, target, draft_config, d2t, t2d)
     head = TargetHead.from_target(target.root_path, t2d, d2t, hidden_states.last_state_normed, target_rms_eps(target))
     everything = HiddenStateDataset(hidden_states, tc.max_length)
@@ -142,7 +153,7 @@ def train_draft(
         )
     state_dir = out_dir / STATE_DIR
     prepare_state_dir(state_dir, sha256_json({"config": cfg, "upstream": upstream}), events, group)
-    objective = TTTObjective(draft, tc.ttt_steps, tc.step_weight, tc.attention)
+    objective = TTTObjective(draft, tc.ttt_steps, tc.step_weight, tc.attention, tc.mask_out_of_vocab)
     curves = TrainingCurves(out_dir if group.is_main else None)  # draft/tensorboard/, draft/training_curves.png
     step, metrics = run_training(
         objective, head, train_data, val_data, tc, state_dir, group, events, progress, curves=curves
@@ -184,9 +195,7 @@ def export_training_state(
     state_file = state_file or latest_state(Path(config.run_dir) / OUT_DIR / STATE_DIR)
     if state_file is None:
         raise FileNotFoundError(f"no training state under {Path(config.run_dir) / OUT_DIR / STATE_DIR}")
-    target_config = json.loads((target.root_path / "config.json").read_text())
-    draft_config = DraftConfig.from_target_config(target_config, vocab_map.draft_vocab_size, hidden_states.layer_ids)
-    draft = Eagle3Draft(draft_config)
+    draft = Eagle3Draft(draft_config_of(config, target, vocab_map, hidden_states.layer_ids))
     model = torch.load(state_file, map_location="cpu", weights_only=False)["model"]
     missing, unexpected = draft.load_state_dict({k.removeprefix("draft."): v for k, v in model.items()}, strict=False)
     if missing != ["embed_tokens.weight"] or unexpected:

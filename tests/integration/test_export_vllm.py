@@ -91,7 +91,9 @@ def trained_export(tmp_path_factory, smollm2_target):
 def test_vllm_serves_the_export_with_speculative_decoding(trained_export, smollm2_target):
     config, checkpoint = trained_export
     export = checkpoint.path_of("export")
-    assert json.loads((export / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    exported = json.loads((export / "config.json").read_text())
+    assert exported["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert exported["fc_norm"] and exported["norm_before_residual"] and exported["norm_output"]  # the default
     config.server.dtype = "float32"
     config.server.startup_timeout_s = 900
     config.server.stall_timeout_s = 600

@@ -38,7 +38,8 @@ def worker(rank: int, world: int, port: int, sharding: str, out: str) -> None:
     torch.set_num_threads(1)
     group = init_group("cpu")
     objective, head = setup()
-    tc = TrainingConfig(max_steps=4, checkpoint_every=2, lr=3e-3, batch_size=1, sharding=sharding)
+    optimizer = "adamw" if sharding == "fsdp2" else "muon"  # Muon needs whole matrices (DDP)
+    tc = TrainingConfig(max_steps=4, checkpoint_every=2, lr=3e-3, batch_size=1, sharding=sharding, optimizer=optimizer)
     curves = TrainingCurves(Path(out) if group.is_main else None)  # every rank reads the grad norm (FSDP2)
     data, state_dir = synthetic_data(6), Path(out) / "state"
     run_training(objective, head, data, None, tc, state_dir, group, RunEvents(out), curves=curves)

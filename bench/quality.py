@@ -1,0 +1,297 @@
+"""Drafter quality protocol of issue 17: one command that samples once, extracts once (the flow's cache
+keeps both), then trains every recipe variant on the same data and reports, per variant, the validation
+accuracy per draft position (the training split's `training.holdout_fraction`: what variants are selected
+on), tau and per-position acceptance at k=3 in vLLM on HumanEval and the run's held-out prompts (measured
+only, never selected on), and the wall time of each phase.
+
+Variants are overrides on top of `BASELINE`, the recipe that was the default before issue 17, so the
+table keeps its meaning whatever the defaults become; `new_default` is the current config defaults.
+
+CPU, the full protocol (vLLM sampling, extraction and measurement; hours on 2 cores):
+  PYTHONPATH=. python bench/quality.py --out bench/quality.json
+GPU screening (no vLLM there: hf extraction, training, validation metrics only; the SampleSet and the
+converted target folder, each with its manifest, copied in; variants in spawned processes on one GPU):
+  PYTHONPATH=. python bench/quality.py --samples DIR --target DIR --set extraction.backend=hf \
+      --set training.device=cuda --no-eval --jobs 7 --auto-combine --longer --out results.json
+More variants: --extra-variants '{"name": {"training.lr": 2e-3}}' (changes on BASELINE), --variants a,b.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+CONFIG = REPO / "configs" / "quality.yaml"
+# The training recipe that was the default before issue 17 (AdamW 3e-4, 5% warmup, cosine to 10%, trained
+# lm_head, no extra norms, step weights 0.8^i, out-of-vocabulary positions scored).
+BASELINE = {
+    "training.optimizer": "adamw",
+    "training.lr": 3e-4,
+    "training.weight_decay": 0.0,
+    "training.lr_schedule": "cosine",
+    "training.warmup_ratio": 0.05,
+    "training.min_lr_ratio": 0.1,
+    "training.freeze_lm_head": False,
+    "training.norm_before_fc": False,
+    "training.fc_norm": False,
+    "training.norm_before_residual": False,
+    "training.norm_output": False,
+    "training.step_weight": 0.8,
+    "training.mask_out_of_vocab": False,
+}
+# Each one change of the issue's table, on top of BASELINE.
+SINGLE = {
+    "lr_1e-3": {"training.lr": 1e-3},
+    "muon": {"training.optimizer": "muon", "training.lr": 1e-3, "training.weight_decay": 0.01},
+    "linear_to_0": {"training.lr_schedule": "linear", "training.warmup_ratio": 0.01, "training.min_lr_ratio": 0.0},
+    "freeze_lm_head": {"training.freeze_lm_head": True},
+    "norm_before_fc": {"training.norm_before_fc": True},
+    "fc_norm": {"training.fc_norm": True},
+    "norm_before_residual": {"training.norm_before_residual": True},
+    "norm_output": {"training.norm_output": True},
+    "step_weight_1": {"training.step_weight": 1.0},
+    "mask_out_of_vocab": {"training.mask_out_of_vocab": True},
+}
+# Recipes of other trainers, whole.
+FIXED_COMBOS = {
+    "speculators_like": {
+        **SINGLE["muon"],
+        **SINGLE["linear_to_0"],
+        **SINGLE["freeze_lm_head"],
+        **SINGLE["norm_before_fc"],
+        **SINGLE["norm_before_residual"],
+        **SINGLE["step_weight_1"],
+        **SINGLE["mask_out_of_vocab"],
+    },
+    "eagle3.1_like": {**SINGLE["fc_norm"], **SINGLE["norm_output"], **SINGLE["norm_before_residual"]},
+}
+
+
+def variant_overrides(name: str, changes: dict) -> dict:
+    """Overrides of a variant: BASELINE + changes, or nothing (the config defaults) for `new_default`."""
+    return {} if name == "new_default" else {**BASELINE, **changes}
+
+
+def as_sets(overrides: dict) -> list[str]:
+    return [f"{key}={json.dumps(value)}" for key, value in overrides.items()]
+
+
+def val_summary(metrics: dict, k: int = 3) -> dict:
+    """Validation accuracy (top-1) and simulated acceptance per position; tau at k from the first k rates."""
+    steps = sorted(int(name.rsplit("_", 1)[1]) for name in metrics if name.startswith("val_top1_"))
+    top1 = [round(metrics[f"val_top1_{i}"], 4) for i in steps]
+    accept = [round(metrics[f"val_accept_rate_{i}"], 4) for i in steps]
+    return {"val_top1": top1, "val_accept": accept, "val_tau_k3": round(1 + sum(accept[:k]), 4)}
+
+
+def shared_inputs(args: argparse.Namespace):
+    """(config, target, sample set, hidden states, vocab map, wall times): each phase run once or cached."""
+    from eagle3_core.artifacts import SampleSet
+    from eagle3_core.config import load_config
+    from eagle3_core.events import RunEvents
+    from eagle3_core.extraction import extract_hidden_states
+    from eagle3_core.target.prepare import prepare_target
+    from eagle3_core.vocab import build_vocab_map
+
+    cfg = load_config(args.config, args.set)
+    events = RunEvents(cfg.run_dir)
+    walls = {}
+    start = time.monotonic()
+    if args.target:  # a converted target folder copied from elsewhere, its manifest with it (same digest)
+        from eagle3_core.artifacts import TargetModel
+
+        folder = Path(args.target).resolve()
+        target = TargetModel.load(folder).model_copy(update={"root": str(folder)})
+        target.validate()
+    else:
+        target = prepare_target(cfg.target, events)
+    walls["prepare_target_s"] = time.monotonic() - start
+    start = time.monotonic()
+    if args.samples:  # a SampleSet copied from elsewhere (no vLLM here)
+        folder = Path(args.samples).resolve()
+        sample_set = SampleSet.load(folder).model_copy(update={"root": str(folder)})
+        sample_set.validate()
+    else:
+        from eagle3_core.sampling.phase import sample_prompts
+
+        sample_set = sample_prompts(cfg, target, events)
+    walls["sampling_s"] = time.monotonic() - start
+    start = time.monotonic()
+    hidden = extract_hidden_states(cfg, sample_set, target, events)
+    walls["extraction_s"] = time.monotonic() - start
+    vocab = build_vocab_map(cfg, sample_set, target, events)
+    return cfg, target, sample_set, hidden, vocab, walls
+
+
+def run_variant(args: argparse.Namespace, name: str, overrides: dict) -> dict:
+    """Train (and unless --no-eval, evaluate) one variant in <run_dir>/variants/<name>; returns its row."""
+    from eagle3_core.config import load_config
+    from eagle3_core.events import RunEvents
+    from eagle3_core.training import train_draft
+
+    row: dict = {"variant": name, "overrides": overrides}
+    try:
+        cfg, target, sample_set, hidden, vocab, _ = shared_inputs(args)
+        run_dir = Path(cfg.run_dir) / "variants" / name
+        vcfg = load_config(args.config, [*args.set, *as_sets(overrides), f"run_dir={run_dir}"])
+        events = RunEvents(run_dir)
+        start = time.monotonic()
+        checkpoint = train_draft(vcfg, hidden, vocab, target, events)
+        row["training_s"] = round(time.monotonic() - start, 1)
+        row["steps"] = checkpoint.step
+        row.update(val_summary(checkpoint.metrics, 3))
+        row["export"] = str(checkpoint.path_of("export"))
+        row["freeze_lm_head"] = vcfg.training.freeze_lm_head
+        if not args.no_eval:
+            from eagle3_core.evaluation import evaluate_draft
+
+            start = time.monotonic()
+            report = evaluate_draft(vcfg, checkpoint, target, sample_set, events)
+            row["evaluation_s"] = round(time.monotonic() - start, 1)
+            row["vllm"] = vllm_rows(report)
+            row["transformers_tau"] = report.acceptance_length if vcfg.evaluation.with_transformers else None
+    except Exception:  # one broken variant must not lose the others
+        row["error"] = traceback.format_exc(limit=5)
+    return row
+
+
+def vllm_rows(report) -> dict:
+    """Per prompt set: tau and per-position acceptance at k in vLLM, and output agreement with plain greedy."""
+    from eagle3_core.evaluation.stats import AcceptanceStats
+
+    sets = (report.measurements.get("vllm") or {}).get("sets") or {}
+    rows = {}
+    for set_name, result in sets.items():
+        if "acceptance" not in result:
+            continue
+        stats = AcceptanceStats.from_json(result["acceptance"]).truncated(report.num_speculative_tokens)
+        rows[set_name] = {
+            "tau": round(stats.acceptance_length, 4),
+            "per_position": [round(r, 4) for r in stats.per_position],
+            "identical_outputs": result.get("identical_outputs"),
+        }
+    return rows
+
+
+def run_batch(args: argparse.Namespace, variants: dict[str, dict], results: list[dict]) -> None:
+    """Every variant of `variants` (in `args.jobs` processes at once), appended to `results` and saved."""
+    if args.jobs <= 1:
+        rows = (run_variant(args, name, overrides) for name, overrides in variants.items())
+    else:  # rows as they finish (a run cut short keeps every finished one)
+        pool = ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn"))
+        rows = (f.result() for f in as_completed([pool.submit(run_variant, args, n, o) for n, o in variants.items()]))
+    for row in rows:
+        results.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "overrides"}), flush=True)
+        save(args, results)
+
+
+def save(args: argparse.Namespace, results: list[dict]) -> None:
+    if args.out:
+        meta = {"machine": machine(), "command": " ".join(sys.argv), "config": str(args.config), "set": args.set}
+        Path(args.out).write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
+
+
+def machine() -> str:
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{platform.processor()} CPU"
+    return f"{platform.node()}: {device}, torch {torch.__version__}, python {platform.python_version()}"
+
+
+def best(results: list[dict]) -> dict | None:
+    rows = [r for r in results if "val_tau_k3" in r]
+    return max(rows, key=lambda r: r["val_tau_k3"]) if rows else None
+
+
+def combinations(results: list[dict]) -> dict[str, dict]:
+    """After the single changes: all helpful ones together (by validation tau at k=3), and that set less
+    its weakest member."""
+    base = next((r for r in results if r["variant"] == "baseline" and "val_tau_k3" in r), None)
+    if base is None:
+        return {}
+    gains = sorted(
+        ((r["val_tau_k3"] - base["val_tau_k3"], r["variant"]) for r in results if r["variant"] in SINGLE),
+        reverse=True,
+    )
+    helpful = [name for gain, name in gains if gain > 0]
+    combos = {}
+    if len(helpful) > 1:
+        combos["best_combination"] = {k: v for name in helpful for k, v in SINGLE[name].items()}
+        combos["best_combination_less_weakest"] = {k: v for name in helpful[:-1] for k, v in SINGLE[name].items()}
+    return combos
+
+
+def longer(results: list[dict]) -> dict[str, dict]:
+    """Where the curve goes: the best variant with 4 epochs, and with 5 TTT steps."""
+    top = best(results)
+    if top is None:
+        return {}
+    changes = {k: v for k, v in top["overrides"].items() if BASELINE.get(k) != v}
+    return {
+        f"{top['variant']}+4_epochs": {**changes, "training.epochs": 4},
+        f"{top['variant']}+ttt_5": {**changes, "training.ttt_steps": 5},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--set", action="append", default=[], help="Config override (section.field=value).")
+    parser.add_argument("--samples", help="Use this SampleSet folder instead of sampling (no vLLM needed).")
+    parser.add_argument("--target", help="Use this converted target folder (with target_model.json) as is.")
+    parser.add_argument("--variants", help="Comma-separated variant names (default: baseline, singles, combos).")
+    parser.add_argument(
+        "--extra-variants", default="{}", help='JSON {"name": {"section.field": value}}: more changes on BASELINE.'
+    )
+    parser.add_argument("--no-eval", action="store_true", help="Train and validate only (no acceptance run).")
+    parser.add_argument("--auto-combine", action="store_true", help="Then combine the helpful single changes.")
+    parser.add_argument("--longer", action="store_true", help="Then the best with 4 epochs and with TTT 5.")
+    parser.add_argument("--jobs", type=int, default=1, help="Variants trained at once (processes; GPU).")
+    parser.add_argument("--out", help="Results JSON (rewritten after every variant).")
+    args = parser.parse_args()
+
+    everything = {"baseline": {}, **SINGLE, **FIXED_COMBOS, **json.loads(args.extra_variants), "new_default": {}}
+    chosen = args.variants.split(",") if args.variants else list(everything)
+    started = time.monotonic()
+    _, _, _, _, _, walls = shared_inputs(args)  # sample + extract once, before the variants fan out
+    print(json.dumps({"machine": machine(), **{k: round(v, 1) for k, v in walls.items()}}), flush=True)
+    results: list[dict] = [{"variant": "shared_phases", **{k: round(v, 1) for k, v in walls.items()}}]
+    save(args, results)
+    run_batch(args, {name: variant_overrides(name, everything[name]) for name in chosen}, results)
+    if args.auto_combine:
+        run_batch(args, {n: variant_overrides(n, c) for n, c in combinations(results).items()}, results)
+    if args.longer:
+        run_batch(args, {n: variant_overrides(n, c) for n, c in longer(results).items()}, results)
+    print_table(results)
+    print(f"total {time.monotonic() - started:.0f} s on {machine()}")
+
+
+def print_table(results: list[dict]) -> None:
+    base = next((r for r in results if r["variant"] == "baseline" and "val_tau_k3" in r), None)
+    print("| variant | val top-1 per position | val acceptance per position | val tau@3 | ratio | train s |")
+    print("|---|---|---|---|---|---|")
+    for row in results:
+        if "val_tau_k3" not in row:
+            if "error" in row:
+                print(f"| {row['variant']} | error: {row['error'].strip().splitlines()[-1]} | | | | |")
+            continue
+        ratio = f"{row['val_tau_k3'] / base['val_tau_k3']:.3f}" if base else ""
+        print(
+            f"| {row['variant']} | {row['val_top1']} | {row['val_accept']} | {row['val_tau_k3']:.3f} | {ratio} "
+            f"| {row.get('training_s', '')} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
