@@ -19,6 +19,8 @@ from eagle3_core.config import TrainingConfig
 from eagle3_core.draft.export import RECIPE_FLAGS, export_draft, load_exported
 from eagle3_core.draft.model import DraftKVCache, Eagle3Draft
 from eagle3_core.events import RunEvents
+from eagle3_core.faults import ENV, InjectedFault, faulting_progress
+from eagle3_core.progress import ignore_progress
 from eagle3_core.training.attention import TTTAttention
 from eagle3_core.training.loop import lr_factor, run_training
 from eagle3_core.training.loss import TargetHead, TTTObjective
@@ -155,7 +157,7 @@ def objective_and_head(**flags) -> tuple[TTTObjective, TargetHead]:
     return TTTObjective(draft, ttt_steps=2, step_weight=1.0, attention="eager"), head
 
 
-def test_muon_takes_the_2d_weights_but_lm_head_and_resumes(tmp_path: Path) -> None:
+def test_muon_takes_the_2d_weights_but_lm_head_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     objective, head = objective_and_head(norm_before_fc=True)
     muon, adamw = muon_parameters(objective)
     names = {id(p): n for n, p in objective.named_parameters()}
@@ -167,7 +169,11 @@ def test_muon_takes_the_2d_weights_but_lm_head_and_resumes(tmp_path: Path) -> No
     run_training(objective, head, data, None, tc, tmp_path / "straight", CPU, RunEvents(tmp_path))
     straight = {k: v.clone() for k, v in objective.state_dict().items()}
     objective, head = objective_and_head(norm_before_fc=True)
-    run_training(objective, head, data, None, tc, tmp_path / "resumed", CPU, RunEvents(tmp_path), stop_after=3)
+    monkeypatch.setenv(ENV, "training:steps=5")  # the run dies after its checkpoint at step 3
+    with pytest.raises(InjectedFault):
+        crashing = faulting_progress("training", ignore_progress)
+        run_training(objective, head, data, None, tc, tmp_path / "resumed", CPU, RunEvents(tmp_path), crashing, 0.0)
+    monkeypatch.delenv(ENV)
     objective, head = objective_and_head(norm_before_fc=True)
     run_training(objective, head, data, None, tc, tmp_path / "resumed", CPU, RunEvents(tmp_path))
     for name, tensor in objective.state_dict().items():
