@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle3_core.events import DECISION, RunEvents
+from eagle3_core.gpus import has_cuda_gpus
 
 if TYPE_CHECKING:
     from eagle3_core.config import PipelineConfig
@@ -76,8 +77,6 @@ def host_cpu() -> tuple[str, frozenset[str]]:
 @cache
 def cuda_present() -> bool:
     """Whether this host has a CUDA GPU (nvidia-smi answers), without importing torch."""
-    from eagle3_core.server_processes import has_cuda_gpus
-
     return has_cuda_gpus()
 
 

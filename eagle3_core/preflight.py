@@ -19,8 +19,8 @@ from eagle3_core.artifacts import HiddenStateSet, SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig, ServerConfig
 from eagle3_core.events import PREFLIGHT, RunEvents
 from eagle3_core.files import free_bytes, sha256_file
+from eagle3_core.gpus import gpu_compute_apps, has_cuda_gpus
 from eagle3_core.serving.engine import PortInUseError, check_port_free
-from eagle3_core.serving.processes import gpu_compute_apps, has_cuda_gpus
 from eagle3_core.target.models import check_layer_ids
 from eagle3_core.target.prepare import TOKENIZER_FILES, tokenizer_digest
 

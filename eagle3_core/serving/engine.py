@@ -30,12 +30,12 @@ from eagle3_core.config import ServerConfig
 from eagle3_core.dtypes import resolve_dtype
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.files import write_text_atomic
+from eagle3_core.gpus import has_cuda_gpus
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
 from eagle3_core.serving.parent_death import die_with_parent
 from eagle3_core.serving.processes import (
     POLL_S,
     ServerError,
-    has_cuda_gpus,
     kill_tree,
     stop_server,
     wait_gpu_release,
