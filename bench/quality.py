@@ -183,6 +183,60 @@ def vllm_rows(report) -> dict:
     return rows
 
 
+def measure_in_vllm(args: argparse.Namespace, draft_dir: Path) -> dict:
+    """tau and per-position acceptance at k in vLLM for one exported draft on the configured prompt sets,
+    every prompt at `--concurrency` (greedy: acceptance does not depend on the batch), then the same prompts
+    without the draft: outputs must be identical (fp32 server). No batch-1 timing, so minutes, not an hour."""
+    from eagle3_core.artifacts import SampleSet
+    from eagle3_core.config import load_config
+    from eagle3_core.evaluation.phase import collect_prompts
+    from eagle3_core.evaluation.stats import AcceptanceStats
+    from eagle3_core.evaluation.vllm_measure import OpenAIClient, run_prompts, spec_counters, speculative_args
+    from eagle3_core.events import RunEvents
+    from eagle3_core.progress import ignore_progress
+    from eagle3_core.serving import VllmServer
+    from eagle3_core.target import prepare_target
+
+    cfg = load_config(args.config, args.set)
+    events = RunEvents(cfg.run_dir)
+    target = prepare_target(cfg.target, events)
+    sample_set = SampleSet.load(Path(args.samples) if args.samples else Path(cfg.run_dir) / "samples")
+    prompt_sets = collect_prompts(cfg, sample_set)
+    k = cfg.evaluation.num_speculative_tokens
+    result: dict = {"draft": str(draft_dir), "k": k, "server_dtype": cfg.server.dtype, "sets": {}}
+    outputs: dict[bool, dict[str, list[str]]] = {}
+    for with_draft in (True, False):
+        extra = speculative_args(draft_dir, k) if with_draft else []
+        start = time.monotonic()
+        with VllmServer(cfg.server, target.root_path, cfg.run_dir, events, extra_args=extra, phase="quality") as server:
+            client = OpenAIClient(server.base_url, server.api_key, cfg.sampling.request_timeout_s)
+            model, outputs[with_draft] = client.model_id(), {}
+            for name, prompts in prompt_sets.items():
+                before = spec_counters(client.metrics()) if with_draft else None
+                run = run_prompts(
+                    client, model, prompts, cfg.evaluation.max_new_tokens, args.concurrency, ignore_progress, name
+                )
+                outputs[with_draft][name] = run.outputs
+                if with_draft:
+                    stats = spec_counters(client.metrics()).minus(before).to_stats().truncated(k)
+                    result["sets"][name] = {
+                        "prompts": len(prompts),
+                        "tau": round(stats.acceptance_length, 4),
+                        "per_position": [round(r, 4) for r in stats.per_position],
+                        "acceptance": stats.to_json(),
+                    }
+            client.close()
+        result[f"{'draft' if with_draft else 'plain'}_server_s"] = round(time.monotonic() - start, 1)
+    for name, texts in outputs[True].items():
+        same = sum(a == b for a, b in zip(texts, outputs[False][name], strict=True))
+        result["sets"][name]["identical_outputs"] = f"{same}/{len(texts)}"
+    pooled = AcceptanceStats.from_json(result["sets"][next(iter(result["sets"]))]["acceptance"])
+    for name in list(result["sets"])[1:]:
+        pooled = pooled.merge(AcceptanceStats.from_json(result["sets"][name]["acceptance"]))
+    result["all"] = {"tau": round(pooled.acceptance_length, 4), "per_position": pooled.per_position}
+    return result
+
+
 def run_batch(args: argparse.Namespace, variants: dict[str, dict], results: list[dict]) -> None:
     """Every variant of `variants` (in `args.jobs` processes at once), appended to `results` and saved."""
     if args.jobs <= 1:
@@ -259,7 +313,15 @@ def main() -> None:
     parser.add_argument("--longer", action="store_true", help="Then the best with 4 epochs and with TTT 5.")
     parser.add_argument("--jobs", type=int, default=1, help="Variants trained at once (processes; GPU).")
     parser.add_argument("--out", help="Results JSON (rewritten after every variant).")
+    parser.add_argument("--measure", type=Path, help="Only measure this exported draft in vLLM (see measure_in_vllm).")
+    parser.add_argument("--concurrency", type=int, default=16, help="Requests in flight of --measure.")
     args = parser.parse_args()
+    if args.measure:
+        result = {"machine": machine(), "command": " ".join(sys.argv), **measure_in_vllm(args, args.measure)}
+        print(json.dumps(result, indent=2))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        return
 
     everything = {"baseline": {}, **SINGLE, **FIXED_COMBOS, **json.loads(args.extra_variants), "new_default": {}}
     chosen = args.variants.split(",") if args.variants else list(everything)
