@@ -194,8 +194,8 @@ def measure_in_vllm(args: argparse.Namespace, draft_dir: Path) -> dict:
     from eagle3_core.evaluation.vllm_measure import OpenAIClient, run_prompts, spec_counters, speculative_args
     from eagle3_core.events import RunEvents
     from eagle3_core.progress import ignore_progress
-    from eagle3_core.serving import VllmServer
-    from eagle3_core.target import prepare_target
+    from eagle3_core.serving.engine import VllmServer
+    from eagle3_core.target.prepare import prepare_target
 
     cfg = load_config(args.config, args.set)
     events = RunEvents(cfg.run_dir)
