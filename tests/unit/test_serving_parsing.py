@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from eagle3_core import gpus
 from eagle3_core.config import ServerConfig
 from eagle3_core.serving import engine as serving
 from eagle3_core.serving import processes as server_processes
@@ -100,7 +101,7 @@ def test_stall_clock_restarts_only_on_new_output(tmp_path, monkeypatch):
 
 def test_parse_compute_apps():
     text = "340648, 71370\n340649, 71002\nNo running processes found\n"
-    assert server_processes.parse_compute_apps(text) == {340648: 71370, 340649: 71002}
+    assert gpus.parse_compute_apps(text) == {340648: 71370, 340649: 71002}
 
 
 def test_gpu_release_waits_then_passes(monkeypatch):
