@@ -18,13 +18,14 @@ from safetensors.torch import load_file, save_file
 from eagle3_core.config import TrainingConfig
 from eagle3_core.draft.export import RECIPE_FLAGS, export_draft, load_exported
 from eagle3_core.draft.model import DraftKVCache, Eagle3Draft
+from eagle3_core.dtypes import resolve_dtype
 from eagle3_core.events import RunEvents
 from eagle3_core.faults import ENV, InjectedFault, faulting_progress
 from eagle3_core.progress import ignore_progress
 from eagle3_core.training.attention import TTTAttention
 from eagle3_core.training.loop import lr_factor, run_training
 from eagle3_core.training.loss import TargetHead, TTTObjective
-from eagle3_core.training.optimizer import MuonAdamW, build_optimizer, muon_parameters
+from eagle3_core.training.optimizer import MuonAdamW, NewtonSchulzMuon, build_optimizer, muon_parameters
 from tests.unit.test_draft import random_batch, tiny_config
 from tests.unit.test_training_loop import CPU, synthetic_data
 
@@ -214,3 +215,31 @@ def test_mask_leaves_out_positions_whose_target_argmax_is_outside_the_draft_voca
         want = want + -(targets * torch.log_softmax(logits, -1)).sum(-1).mean()
     torch.testing.assert_close(loss, want.detach())
     assert not torch.isclose(loss, plain_loss)
+
+
+def test_newton_schulz_muon_is_torchs_muon_in_bf16_and_close_to_it_in_fp32() -> None:
+    """Our Muon runs torch's update; only the dtype of the orthogonalisation is the device's (fp32 on a
+    CPU without bf16 units, where torch's bf16 iteration is emulated ~10x slower)."""
+    torch.manual_seed(0)
+    start = [torch.randn(48, 80), torch.randn(96, 32)]
+    grads = [[torch.randn_like(w) for w in start] for _ in range(3)]
+
+    def trained(make) -> list[torch.Tensor]:
+        weights = [torch.nn.Parameter(w.clone()) for w in start]
+        optimizer = make(weights)
+        for step_grads in grads:
+            for weight, grad in zip(weights, step_grads, strict=True):
+                weight.grad = grad.clone()
+            optimizer.step()
+        return [w.detach() for w in weights]
+
+    reference = trained(lambda ws: torch.optim.Muon(ws, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"))
+    bf16 = trained(lambda ws: NewtonSchulzMuon(ws, lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16))
+    fp32 = trained(lambda ws: NewtonSchulzMuon(ws, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32))
+    for want, same, close, initial in zip(reference, bf16, fp32, start, strict=True):
+        assert torch.equal(same, want)
+        moved, moved_fp32 = want - initial, close - initial
+        assert F.cosine_similarity(moved.flatten(), moved_fp32.flatten(), dim=0) > 0.99
+    layers = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.LayerNorm(8))  # Muon and AdamW parts
+    cpu = build_optimizer(layers, TrainingConfig(optimizer="muon"), torch.device("cpu"))
+    assert cpu.muon.ns_dtype == getattr(torch, resolve_dtype("auto", False))
