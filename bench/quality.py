@@ -259,7 +259,9 @@ def save(args: argparse.Namespace, results: list[dict]) -> None:
 def machine() -> str:
     import torch
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{platform.processor()} CPU"
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{cpu or platform.processor()} CPU"
     return f"{platform.node()}: {device}, torch {torch.__version__}, python {platform.python_version()}"
 
 
