@@ -24,18 +24,6 @@ def artifact_key(phase: str, stage: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", f"{phase}-{stage}".lower()).strip("-")
 
 
-def describe(update: ProgressUpdate) -> str:
-    total = f"/{update.total:g}" if update.total is not None else ""
-    parts = [f"{update.stage}: {update.done:g}{total} {update.unit}".rstrip()]
-    if update.rate is not None:
-        parts.append(update.rate_text())
-    if update.eta_s is not None:
-        parts.append(f"ETA {update.eta_s:.0f} s")
-    if update.message:
-        parts.append(update.message)
-    return " · ".join(parts)
-
-
 class PrefectProgress:
     """A `ProgressCallback` that feeds progress artifacts of the current task run."""
 
@@ -62,7 +50,7 @@ class PrefectProgress:
 
     def send(self, key: tuple[str, str], update: ProgressUpdate) -> Any:
         percent = min(100.0, update.percent) if update.percent is not None else 0.0
-        description = describe(update)
+        description = update.line()
         self.logger.info("%s %s", update.phase, description)
         if key not in self.artifacts:
             self.artifacts[key] = create_progress_artifact(percent, key=artifact_key(*key), description=description)

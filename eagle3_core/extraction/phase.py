@@ -267,7 +267,7 @@ def run_shards(
                     rate=rate,
                     rate_unit="tok/s",
                     eta_s=meter.eta(counts["samples"], total_samples),
-                    message=f"{rate:.0f} tok/s, {counts['shards']}/{len(pending)} shards written",
+                    message=f"{counts['shards']}/{len(pending)} shards written",
                 )
             )
     progress(

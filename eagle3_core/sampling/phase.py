@@ -240,7 +240,7 @@ class RowProgress:
                 unit="requests",
                 rate=rate,
                 rate_unit="tok/s",
-                message=f"{self.done}/{self.total} requests, {self.errors} errors, {rate:.0f} tok/s",
+                message=f"{self.errors} errors",
             )
         )
 

@@ -402,7 +402,6 @@ class VllmServer:
         raise ServerError(f"{reason}; log {self.log_path}, last lines:\n{tail.tail_text()}")
 
     def report_load(self, shard: LoadProgress) -> None:
-        eta = f", ETA {shard.eta_s:.0f} s" if shard.eta_s is not None else ""
         self.progress(
             ProgressUpdate(
                 phase=self.phase,
@@ -411,7 +410,6 @@ class VllmServer:
                 total=shard.shards_total,
                 unit="shards",
                 eta_s=shard.eta_s,
-                message=f"{shard.percent}% | {shard.shards_done}/{shard.shards_total} shards{eta}",
             )
         )
 

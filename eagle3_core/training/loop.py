@@ -390,7 +390,7 @@ class Cadence:
                     rate=tokens_per_s,
                     rate_unit="tok/s",
                     eta_s=self.meter.eta(done - self.start_step, total - self.start_step),
-                    message=f"loss {row['loss']:.3f} top1@0 {row['top1_0']:.2f} {tokens_per_s:,.0f} tok/s",
+                    message=f"loss {row['loss']:.3f} top1@0 {row['top1_0']:.2f}",
                 )
             )
         self.curves.report(self.pending, records)

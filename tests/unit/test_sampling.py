@@ -4,6 +4,7 @@ prompts, reasoning capture, Parquet parts, resume by prompt id, and the manifest
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import Counter
@@ -101,7 +102,8 @@ def test_rows_are_accounted_retried_and_reasoning_captured(tmp_path, scripted, s
     assert len([f for f in sample_set.files if f.path.endswith(".parquet")]) == 3
     assert sample_set.config["sampling"]["temperature"] == 0.0
     last = updates[-1]
-    assert (last.done, last.total, last.stage) == (7, 7, "requests") and "1 errors" in last.message
+    assert (last.done, last.total, last.stage) == (7, 7, "requests") and last.message == "1 errors"
+    assert re.fullmatch(r"requests: 7/7 requests · [0-9.]+ tok/s · 1 errors", last.line()), last.line()
 
 
 def test_rerun_retries_errors_only_and_a_clean_set_is_a_cache_hit(tmp_path, scripted, smollm2_target):

@@ -109,7 +109,7 @@ def test_start_reports_progress_records_events_and_stop_leaves_nothing(tmp_path,
     assert gone(root.pid) and gone(child.pid)
     shards = [(u.done, u.total, u.eta_s) for u in updates if u.stage == "weight load"]
     assert shards == [(0, 64, None), (1, 64, 35), (4, 64, 27 * 60 + 17), (56, 64, 210), (64, 64, 0)]
-    assert "88% | 56/64 shards, ETA 210 s" in [u.message for u in updates]
+    assert "weight load: 56/64 shards · ETA 210 s" in [u.line() for u in updates]
     load = [e for e in events.read() if e["event"] == WEIGHT_LOAD]
     assert len(load) == 1 and load[0]["seconds"] == pytest.approx(1467.29) and load[0]["source"] == "log"
     assert [e["event"] for e in events.read()] == [ENGINE_START, WEIGHT_LOAD, ENGINE_STOP]
