@@ -13,11 +13,15 @@ bf16 CPUs (then bit for bit torch's), float32 elsewhere.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from eagle3_core.config import TrainingConfig
 from eagle3_core.dtypes import resolve_dtype
+
+if TYPE_CHECKING:  # the config needs pydantic; the optimizers themselves need only torch
+    from eagle3_core.config import TrainingConfig
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic Newton-Schulz
 NS_STEPS = 5
@@ -37,24 +41,41 @@ def muon_parameters(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
     return muon, adamw
 
 
-def orthogonalize(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """grad [A, B] -> the nearest semi-orthogonal matrix, approximately (Newton-Schulz in `dtype`), as
-    torch.optim.Muon computes it."""
+def oriented(matrix: torch.Tensor) -> torch.Tensor:
+    """[A, B] -> the [min(A, B), max(A, B)] view Newton-Schulz works on (the transpose when A > B)."""
+    return matrix.T if matrix.size(0) > matrix.size(1) else matrix
+
+
+def same_shape_groups(matrices: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of `matrices` grouped by their oriented shape, groups and members in first-seen order."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, matrix in enumerate(matrices):
+        groups.setdefault(tuple(oriented(matrix).shape), []).append(index)
+    return list(groups.values())
+
+
+def orthogonalize_stacked(stacked: torch.Tensor) -> torch.Tensor:
+    """stacked [N, m, n] (m <= n) -> each matrix's nearest semi-orthogonal matrix, approximately: torch.optim.Muon's
+    Newton-Schulz iteration in stacked's dtype, for N same-shape matrices at once (one batched GEMM a product)."""
     a, b, c = NS_COEFFICIENTS
-    x = grad.to(dtype)
-    transposed = grad.size(0) > grad.size(1)
-    if transposed:
-        x = x.T
-    x.div_(x.norm().clamp(min=NS_EPS))  # spectral norm at most 1
+    norms = torch.linalg.vector_norm(stacked, dim=(1, 2), keepdim=True)  # [N, 1, 1]
+    x = stacked / norms.clamp(min=NS_EPS)  # spectral norm at most 1
     for _ in range(NS_STEPS):
-        gram = x @ x.T  # [min, min]
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if transposed else x
+        gram = torch.bmm(x, x.mT)  # [N, m, m]
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x
+
+
+def match_rms_adamw_lr(lr: float, shape: torch.Size) -> float:
+    """torch.optim.Muon's `match_rms_adamw` learning rate of a matrix of `shape`."""
+    return lr * 0.2 * max(shape[:2]) ** 0.5
 
 
 class NewtonSchulzMuon(torch.optim.Muon):
     """`torch.optim.Muon` (nesterov momentum, `match_rms_adamw` lr) whose Newton-Schulz runs in `ns_dtype`;
-    the state (`momentum_buffer`) and groups are torch's, so checkpoints load into either."""
+    the state (`momentum_buffer`) and groups are torch's, so checkpoints load into either. The momentum and
+    weight decay of all matrices are foreach ops, and same-shape matrices (gate/up/down, k/v) are
+    orthogonalised together, as one stack: a few large launches a step instead of ~20 per matrix."""
 
     def __init__(self, params: list[nn.Parameter], lr: float, weight_decay: float, ns_dtype: torch.dtype):
         super().__init__(params, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
@@ -63,16 +84,22 @@ class NewtonSchulzMuon(torch.optim.Muon):
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
             lr, momentum = group["lr"], group["momentum"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                buffer = self.state[param].setdefault("momentum_buffer", torch.zeros_like(param.grad))
-                buffer.lerp_(param.grad, 1 - momentum)
-                update = param.grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-                scaled_lr = lr * 0.2 * max(param.shape[:2]) ** 0.5  # match_rms_adamw
-                param.mul_(1 - lr * group["weight_decay"])
-                param.add_(orthogonalize(update, self.ns_dtype), alpha=-scaled_lr)
+            grads = [p.grad for p in params]
+            buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad)) for p in params]
+            torch._foreach_lerp_(buffers, grads, 1 - momentum)
+            updates = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            for indices in same_shape_groups(updates):
+                first = oriented(updates[indices[0]])
+                stacked = first.new_empty((len(indices), *first.shape), dtype=self.ns_dtype)  # [N, min, max]
+                for row, index in zip(stacked, indices, strict=True):
+                    row.copy_(oriented(updates[index]))
+                for row, index in zip(orthogonalize_stacked(stacked), indices, strict=True):
+                    oriented(params[index]).add_(row, alpha=-match_rms_adamw_lr(lr, params[index].shape))
 
 
 class MuonAdamW(torch.optim.Optimizer):

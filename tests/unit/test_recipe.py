@@ -25,7 +25,13 @@ from eagle3_core.progress import ignore_progress
 from eagle3_core.training.attention import TTTAttention
 from eagle3_core.training.loop import lr_factor, run_training
 from eagle3_core.training.loss import TargetHead, TTTObjective
-from eagle3_core.training.optimizer import MuonAdamW, NewtonSchulzMuon, build_optimizer, muon_parameters
+from eagle3_core.training.optimizer import (
+    MuonAdamW,
+    NewtonSchulzMuon,
+    build_optimizer,
+    muon_parameters,
+    same_shape_groups,
+)
 from tests.unit.test_draft import random_batch, tiny_config
 from tests.unit.test_training_loop import CPU, synthetic_data
 
@@ -219,9 +225,11 @@ def test_mask_leaves_out_positions_whose_target_argmax_is_outside_the_draft_voca
 
 def test_newton_schulz_muon_is_torchs_muon_in_bf16_and_close_to_it_in_fp32() -> None:
     """Our Muon runs torch's update; only the dtype of the orthogonalisation is the device's (fp32 on a
-    CPU without bf16 units, where torch's bf16 iteration is emulated ~10x slower)."""
+    CPU without bf16 units, where torch's bf16 iteration is emulated ~10x slower). Same-shape matrices (also
+    transposed ones: [48, 80] and [80, 48]) are orthogonalised as one stack, still bit for bit torch's."""
     torch.manual_seed(0)
-    start = [torch.randn(48, 80), torch.randn(96, 32)]
+    start = [torch.randn(48, 80), torch.randn(96, 32), torch.randn(80, 48), torch.randn(48, 80), torch.randn(32, 96)]
+    assert same_shape_groups(start) == [[0, 2, 3], [1, 4]]
     grads = [[torch.randn_like(w) for w in start] for _ in range(3)]
 
     def trained(make) -> list[torch.Tensor]:
