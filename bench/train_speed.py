@@ -29,12 +29,11 @@ from eagle3_core.training.attention import (
 from eagle3_core.training.distributed import Group, init_group, wrap
 from eagle3_core.training.loss import TargetHead, TTTObjective, scored_rows
 from eagle3_core.training.optimizer import (
-    NS_COEFFICIENTS,
-    NS_STEPS,
     MuonAdamW,
     NewtonSchulzMuon,
+    gram_newton_schulz,
     muon_parameters,
-    orthogonalize_stacked,
+    newton_schulz,
 )
 
 # speculators 0.9.0, AdamW, one H200 (shared/ANCHORS.md), tokens/s.
@@ -146,22 +145,6 @@ def check_muon(device: torch.device, steps: int = 5) -> dict:
     return result
 
 
-def gram_newton_schulz(stacked: torch.Tensor) -> torch.Tensor:
-    """Experiment: the same quintic iteration through the Gram matrix (X_k = Q_k X_0, Q_k and R_k = X_k X_k^T
-    polynomials in R_0, so all products but the first and the last are [m, m]): fewer FLOPs when n >> m."""
-    a, b, c = NS_COEFFICIENTS
-    x = stacked / torch.linalg.vector_norm(stacked, dim=(1, 2), keepdim=True).clamp(min=1e-7)  # [N, m, n]
-    r = torch.bmm(x, x.mT)  # [N, m, m]
-    q = None
-    for step in range(NS_STEPS):
-        p = torch.baddbmm(r, r, r, beta=b, alpha=c)
-        p.diagonal(dim1=1, dim2=2).add_(a)  # a I + b R + c R^2
-        q = p if q is None else torch.bmm(p, q)
-        if step < NS_STEPS - 1:
-            r = torch.bmm(p, torch.bmm(p, r))  # R_{k+1} = P R P = P^2 R
-    return torch.bmm(q, x)
-
-
 def check_gram_newton_schulz(device: torch.device, shape: tuple[int, int, int] = (3, 4096, 14336)) -> dict:
     """Time and error of the standard and the Gram Newton-Schulz in bf16 on the gate/up/down stack, against
     the standard iteration in fp32 (gaussian matrices, and rows scaled over 3 decades: a spread spectrum)."""
@@ -169,15 +152,16 @@ def check_gram_newton_schulz(device: torch.device, shape: tuple[int, int, int] =
 
     generator = torch.Generator(device=device).manual_seed(2)
     result = {}
-    decay = torch.logspace(0, -3, shape[1], device=device)[None, :, None]
-    for name, scale in (("gaussian", 1.0), ("spread", decay)):
-        stacked = torch.randn(shape, device=device, generator=generator) * scale
-        want = orthogonalize_stacked(stacked)
-        for variant, fn in (("standard", orthogonalize_stacked), ("gram", gram_newton_schulz)):
+    noise = torch.randn(shape, device=device, generator=generator)
+    spread = noise * torch.logspace(0, -3, shape[1], device=device)[None, :, None]
+    rank_one = torch.randn(*shape[:2], 1, device=device, generator=generator) @ noise[:, :1] * 30 + noise
+    for name, stacked in (("gaussian", noise), ("spread", spread), ("rank_one_spike", rank_one)):
+        want = newton_schulz(stacked)
+        for variant, fn in (("standard", newton_schulz), ("gram", gram_newton_schulz)):
             got = fn(stacked.bfloat16()).float()
             result[f"{name}_{variant}_rel_error"] = float((got - want).norm() / want.norm())
     work = torch.randn(shape, device=device, generator=generator).bfloat16()
-    for variant, fn in (("standard", orthogonalize_stacked), ("gram", gram_newton_schulz)):
+    for variant, fn in (("standard", newton_schulz), ("gram", gram_newton_schulz)):
         result[f"{variant}_ms"] = triton.testing.do_bench(lambda fn=fn: fn(work), warmup=5, rep=50)
     return result
 
