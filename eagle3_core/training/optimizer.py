@@ -96,8 +96,8 @@ def gram_newton_schulz(stacked: torch.Tensor) -> torch.Tensor:
     """The same iteration as `newton_schulz`, in Gram form, restarted (X formed, R recomputed) after the
     GRAM_RESTART[0] first steps: 8 m^2 n + 28 m^3 FLOPs a matrix against 20 m^2 n + 10 m^3 (30 % fewer at
     n = 3.5 m). Without the restart, bf16 rounding of R is amplified by the small singular values' growth
-    (~3.4x a step): a gradient with one dominant direction came out 4.4x its own norm off (the standard
-    form: 0.07); restarted, 0.08."""
+    (~3.4x a step): on the GPU, a [4096, 14336] gradient with one dominant direction came out 4.4x its own
+    norm off (the standard form: 0.070); restarted, 0.070 (bench/RESULTS.md, issue 19)."""
     x = normalized(stacked)  # [N, m, n]
     for steps in GRAM_RESTART:
         x = gram_steps(x, steps)
