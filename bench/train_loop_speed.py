@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.train_speed import SPECULATORS, build, llama8b_draft_config, measure
+from bench.train_speed import SPECULATORS, SPECULATORS_MUON, build, llama8b_draft_config, measure
 from eagle3_core.artifacts import FileRecord, HiddenStateSet
 from eagle3_core.config import TrainingConfig
 from eagle3_core.events import RunEvents
@@ -70,9 +70,10 @@ def write_hidden_states(root: Path, dtype: str, samples: int, per_shard: int = 4
     )
 
 
-def loop_run(hidden: HiddenStateSet, compile_setting: str, steps: int, warmup: int, work: Path) -> dict:
-    """`run_training` for `steps` steps; ms/step and tokens/s between its first report at or after step
-    `warmup` and its last (the reports' times are exact: each follows a host sync)."""
+def loop_run(hidden: HiddenStateSet, compile_setting: str, steps: int, warmup: int, work: Path, optimizer: str) -> dict:
+    """`run_training` with `optimizer` (adamw at lr 1e-4, or muon at its default lr 3e-3) for `steps` steps;
+    ms/step and tokens/s between its first report at or after step `warmup` and its last (the reports'
+    times are exact: each follows a host sync)."""
     device = torch.device("cuda")
     objective, head, _, _ = build(llama8b_draft_config(), TTT, device, compiled=False)
     tc = TrainingConfig(
@@ -81,7 +82,8 @@ def loop_run(hidden: HiddenStateSet, compile_setting: str, steps: int, warmup: i
         batch_size=1,
         max_steps=steps,
         checkpoint_every=10**6,
-        lr=1e-4,
+        optimizer=optimizer,
+        lr=1e-4 if optimizer == "adamw" else 3e-3,
         device="cuda",
         compile=compile_setting,
     )
@@ -110,6 +112,7 @@ def loop_run(hidden: HiddenStateSet, compile_setting: str, steps: int, warmup: i
     result = {
         "storage": hidden.dtype,
         "compile": compile_setting,
+        "optimizer": optimizer,
         "steps": steps,
         "timed_steps": f"{first.done:g}..{last.done:g}",
         "reports": len(flushes),
@@ -132,6 +135,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--work", default=None, help="Folder for the sets and states (default: a temp dir).")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"], help="Of the loop and the step.")
+    parser.add_argument("--bf16-only", action="store_true", help="Only the bf16 compiled loop and the step.")
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="train-loop-speed-"))
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "runs": []}
@@ -146,21 +151,21 @@ def main() -> None:
     start = time.monotonic()
     sets = {dtype: write_hidden_states(work / dtype, dtype, args.samples) for dtype in ("bf16", "fp8")}
     print(f"wrote the hidden-state sets in {time.monotonic() - start:.0f} s", flush=True)
-    plan = [("bf16", "auto"), ("step only", None), ("fp8", "auto"), ("bf16", "off")]
+    plan = [("bf16", "auto"), ("step only", None)] + ([] if args.bf16_only else [("fp8", "auto"), ("bf16", "off")])
     step_only = None
     for dtype, setting in plan:
         try:  # a failed variant is reported; the others still run
             if setting is None:
-                step_only = measure(LENGTH, TTT, True, warmup=3, iters=10)
+                step_only = measure(LENGTH, TTT, True, warmup=3, iters=10, optimizer_name=args.optimizer)
                 save({"storage": "random on GPU", "compile": "step only (bench/train_speed.py)", **step_only})
             else:
                 steps = args.steps if setting != "off" else args.steps // 2
-                save(loop_run(sets[dtype], setting, steps, args.warmup, work))
+                save(loop_run(sets[dtype], setting, steps, args.warmup, work, args.optimizer))
         except Exception:
             print(f"FAILED {dtype} {setting}:\n{traceback.format_exc()}", flush=True)
     if step_only is None:
         return
-    baseline = SPECULATORS[(LENGTH, TTT)]
+    baseline = (SPECULATORS if args.optimizer == "adamw" else SPECULATORS_MUON)[(LENGTH, TTT)]
     print(f"\n1 x {report['device']}, torch {torch.__version__}; seq {LENGTH}, TTT {TTT}")
     print("storage        compile                            ms/step    tok/s  peak GiB  vs step-only  vs speculators")
     for r in report["runs"]:

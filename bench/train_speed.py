@@ -2,7 +2,8 @@
 
 Draft of a Llama-3.1-8B-shaped target (hidden 4096, 32 heads, 8 kv heads, intermediate 14336, aux layers
 [2, 16, 29], vocabulary 128256 mapped to 32000), random inputs, one packed sequence per step, bf16
-autocast, fp32 master weights, fused AdamW, gradient clipping: the real `TTTObjective` of training.
+autocast, fp32 master weights, fused AdamW (or training's Muon + AdamW: `--optimizers adamw,muon`), gradient
+clipping: the real `TTTObjective` of training.
 
 Imports only torch (+ safetensors through eagle3_core.draft.model): the GPU machine has no pydantic.
 Run from the repository root:  PYTHONPATH=. python bench/train_speed.py [--out results.json]
@@ -28,9 +29,18 @@ from eagle3_core.training.attention import (
 )
 from eagle3_core.training.distributed import Group, init_group, wrap
 from eagle3_core.training.loss import TargetHead, TTTObjective, scored_rows
+from eagle3_core.training.optimizer import (
+    MuonAdamW,
+    NewtonSchulzMuon,
+    gram_newton_schulz,
+    muon_parameters,
+    newton_schulz,
+)
 
 # speculators 0.9.0, AdamW, one H200 (shared/ANCHORS.md), tokens/s.
 SPECULATORS = {(2048, 7): 20_724, (4096, 3): 56_550, (2048, 3): 43_864, (4096, 7): 25_010}
+# speculators 0.9.0 with Muon, its default optimizer (same file).
+SPECULATORS_MUON = {(2048, 7): 14_446, (4096, 3): 37_070, (2048, 3): 23_575, (4096, 7): 20_746}
 GOAL_RATIO = 1.5
 
 
@@ -104,6 +114,59 @@ def check_soft_ce_kernel(device: torch.device, rows: int = 4096, vocab: int = 32
     return result
 
 
+def check_muon(device: torch.device, steps: int = 5) -> dict:
+    """The Muon half of the optimizer on the draft's 2-D weights (random gradients): ms per step of
+    torch.optim.Muon and of ours (`NewtonSchulzMuon`: stacked same-shape Newton-Schulz, foreach momentum),
+    and the largest relative difference of the weights after one step (0 = bit for bit)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        start, _ = muon_parameters(Eagle3Draft(llama8b_draft_config()))
+    grads = [torch.randn_like(w) for w in start]
+    makers = {
+        "torch": lambda ws: torch.optim.Muon(ws, lr=3e-3, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+        "ours": lambda ws: NewtonSchulzMuon(ws, lr=3e-3, weight_decay=0.1, ns_dtype=torch.bfloat16),
+    }
+    result, after_one = {}, {}
+    for name, make in makers.items():
+        weights = [torch.nn.Parameter(w.detach().clone()) for w in start]
+        for weight, grad in zip(weights, grads, strict=True):
+            weight.grad = grad
+        optimizer = make(weights)
+        optimizer.step()
+        after_one[name] = [w.detach().clone() for w in weights]
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(steps):
+            optimizer.step()
+        end.record()
+        torch.cuda.synchronize()
+        result[f"{name}_ms"] = begin.elapsed_time(end) / steps
+    moved = zip(after_one["ours"], after_one["torch"], start, strict=True)
+    result["max_rel_diff_of_update"] = max(float((a - b).norm() / (b - w).norm()) for a, b, w in moved)
+    return result
+
+
+def check_gram_newton_schulz(device: torch.device, shape: tuple[int, int, int] = (3, 4096, 14336)) -> dict:
+    """Time and error of the standard and the Gram Newton-Schulz in bf16 on the gate/up/down stack, against
+    the standard iteration in fp32 (gaussian matrices, and rows scaled over 3 decades: a spread spectrum)."""
+    import triton.testing
+
+    generator = torch.Generator(device=device).manual_seed(2)
+    result = {}
+    noise = torch.randn(shape, device=device, generator=generator)
+    spread = noise * torch.logspace(0, -3, shape[1], device=device)[None, :, None]
+    rank_one = torch.randn(*shape[:2], 1, device=device, generator=generator) @ noise[:, :1] * 30 + noise
+    for name, stacked in (("gaussian", noise), ("spread", spread), ("rank_one_spike", rank_one)):
+        want = newton_schulz(stacked)
+        for variant, fn in (("standard", newton_schulz), ("gram", gram_newton_schulz)):
+            got = fn(stacked.bfloat16()).float()
+            result[f"{name}_{variant}_rel_error"] = float((got - want).norm() / want.norm())
+    work = torch.randn(shape, device=device, generator=generator).bfloat16()
+    for variant, fn in (("standard", newton_schulz), ("gram", gram_newton_schulz)):
+        result[f"{variant}_ms"] = triton.testing.do_bench(lambda fn=fn: fn(work), warmup=5, rep=50)
+    return result
+
+
 def build(
     config: DraftConfig,
     ttt_steps: int,
@@ -113,11 +176,13 @@ def build(
     bf16_reduce: bool = False,
     plain_ddp: bool = False,
     loss_kernel: str = "triton",
+    optimizer_name: str = "adamw",
 ):
     """The objective (wrapped in DDP when `group` spans several processes, the layer's projection gradients
     reduced early by `LayerGradientSync` as in training; `plain_ddp`: all gradients through DDP's buckets;
     `bf16_reduce`: DDP's buckets all-reduced in bf16 through its compression hook), head, parameters,
-    optimizer. `loss_kernel` (compiled): the soft-CE rows by the hand-written Triton kernel or inductor."""
+    optimizer. `loss_kernel` (compiled): the soft-CE rows by the hand-written Triton kernel or inductor.
+    `optimizer_name`: fused AdamW (lr 1e-4) on everything, or training's Muon + AdamW (lr 3e-3, the default)."""
     torch.manual_seed(0)
     with torch.device(device):
         draft = Eagle3Draft(config)
@@ -142,8 +207,16 @@ def build(
 
             objective.register_comm_hook(None, bf16_compress_hook)
     params = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
+    optimizer = make_optimizer(objective, params, optimizer_name)
     return objective, head, params, optimizer
+
+
+def make_optimizer(objective: torch.nn.Module, params: list, name: str) -> torch.optim.Optimizer:
+    """The benchmark's AdamW, or training's default Muon + AdamW (weight decays of the config's defaults)."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=True)
+    muon, adamw = muon_parameters(objective)
+    return MuonAdamW(muon, adamw, lr=3e-3, muon_weight_decay=0.1, adamw_weight_decay=0.01, fused=True)
 
 
 def random_batch(
@@ -184,6 +257,7 @@ def measure(
     bf16_reduce: bool = False,
     plain_ddp: bool = False,
     loss_kernel: str = "triton",
+    optimizer_name: str = "adamw",
 ) -> dict:
     """ms/step and tokens/s of `iters` steps (two windows). Under DDP every rank trains its own sequences
     and tokens/s counts all ranks' tokens."""
@@ -193,7 +267,7 @@ def measure(
     config = llama8b_draft_config()
     start = time.monotonic()
     objective, head, params, optimizer = build(
-        config, ttt_steps, device, compiled, group, bf16_reduce, plain_ddp, loss_kernel
+        config, ttt_steps, device, compiled, group, bf16_reduce, plain_ddp, loss_kernel, optimizer_name
     )
     batches = [random_batch(config, length, ttt_steps, device, 3 * rank + seed) for seed in range(3)]
     for i in range(warmup):
@@ -216,6 +290,7 @@ def measure(
         "ttt": ttt_steps,
         "compiled": compiled,
         "loss_kernel": loss_kernel if compiled else "torch",
+        "optimizer": optimizer_name,
         "gpus": world,
         "bf16_reduce": bf16_reduce,
         "plain_ddp": plain_ddp,
@@ -226,7 +301,7 @@ def measure(
         "setup_s": setup_s,
         "final_loss": float(loss),
     }
-    baseline = SPECULATORS.get((length, ttt_steps))
+    baseline = (SPECULATORS if optimizer_name == "adamw" else SPECULATORS_MUON).get((length, ttt_steps))
     if baseline and world == 1:
         result["speculators_tokens_per_s"] = baseline
         result["ratio"] = result["tokens_per_s"] / baseline
@@ -253,13 +328,13 @@ def kernel_class(name: str) -> str:
     return "other eager kernels (copies, casts, index, elementwise)"
 
 
-def profile_step(length: int, ttt_steps: int, rows: int = 40) -> dict:
+def profile_step(length: int, ttt_steps: int, optimizer_name: str = "adamw", rows: int = 40) -> dict:
     """Top kernels of one compiled step (after warm-up) and their time per class: where the time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device("cuda")
     config = llama8b_draft_config()
-    objective, head, params, optimizer = build(config, ttt_steps, device, compiled=True)
+    objective, head, params, optimizer = build(config, ttt_steps, device, True, optimizer_name=optimizer_name)
     batch = random_batch(config, length, ttt_steps, device, 0)
     for _ in range(3):
         train_step(objective, head, params, optimizer, batch)
@@ -280,6 +355,7 @@ def profile_step(length: int, ttt_steps: int, rows: int = 40) -> dict:
     return {
         "seq": length,
         "ttt": ttt_steps,
+        "optimizer": optimizer_name,
         "step_ms_profiled": begin.elapsed_time(end),
         "kernel_ms_by_class": {k: round(v, 2) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])},
         "kernel_ms_total": round(sum(classes.values()), 2),
@@ -344,6 +420,8 @@ def main() -> None:
     parser.add_argument("--inductor-loss", action="store_true", help="Also time the inductor soft-CE rows.")
     parser.add_argument("--bf16-reduce", action="store_true", help="--ddp: also time bf16 gradient all-reduce.")
     parser.add_argument("--plain-ddp", action="store_true", help="--ddp: also time DDP without the early sync.")
+    parser.add_argument("--optimizers", default="adamw", help="Comma-separated: adamw, muon (one-GPU runs).")
+    parser.add_argument("--profile-optimizer", default="adamw", choices=["adamw", "muon"], help="Of the profiles.")
     parser.add_argument("--loss-kernel", default="triton", choices=["triton", "inductor"], help="--ddp: soft-CE rows.")
     args = parser.parse_args()
     if args.ddp:
@@ -359,22 +437,29 @@ def main() -> None:
         print(f"soft-CE rows, Triton kernel vs torch reference and timing: {json.dumps(report['soft_ce_kernel'])}")
     except Exception:  # reported; the inductor variants (--inductor-loss) still run
         print(f"FAILED soft-CE kernel check:\n{traceback.format_exc()}", flush=True)
-    plan: list[tuple] = [(2048, 7, True), (4096, 3, True)]
-    plan += [(2048, 7, True, "inductor"), (4096, 3, True, "inductor")] if args.inductor_loss else []
-    plan += [] if args.no_profile else [(2048, 7), (4096, 3)]
-    plan += [(2048, 7, False), (4096, 3, False)] if args.eager else []
+    if "muon" in args.optimizers:
+        report["muon_step"] = check_muon(torch.device("cuda"))
+        print(f"Muon step on the draft's matrices, ours vs torch.optim.Muon: {json.dumps(report['muon_step'])}")
+        report["gram_newton_schulz"] = check_gram_newton_schulz(torch.device("cuda"))
+        print(f"Newton-Schulz through the Gram matrix: {json.dumps(report['gram_newton_schulz'])}")
+    plan: list[tuple] = [
+        (s, t, True, "triton", o) for o in args.optimizers.split(",") for s, t in ((2048, 7), (4096, 3))
+    ]
+    plan += [(2048, 7, True, "inductor", "adamw"), (4096, 3, True, "inductor", "adamw")] if args.inductor_loss else []
+    plan += [] if args.no_profile else [(2048, 7, args.profile_optimizer), (4096, 3, args.profile_optimizer)]
+    plan += [(2048, 7, False, "torch", "adamw"), (4096, 3, False, "torch", "adamw")] if args.eager else []
     for entry in plan:
         if time.monotonic() - start > args.budget_s:
             print(f"skipped {entry}: time budget", flush=True)
             continue
         try:
-            if len(entry) == 2:
+            if len(entry) == 3:  # (seq, ttt, optimizer): a profiled step
                 profiled = profile_step(*entry)
-                report[f"profile_{entry[0]}_{entry[1]}"] = profiled
+                report[f"profile_{entry[0]}_{entry[1]}_{entry[2]}"] = profiled
                 print(json.dumps({k: v for k, v in profiled.items() if k != "table"}), flush=True)
                 print(profiled["table"], flush=True)
             else:
-                result = measure(*entry[:3], warmup=3, iters=args.iters, loss_kernel=(entry[3:] or ("triton",))[0])
+                result = measure(*entry[:3], 3, args.iters, loss_kernel=entry[3], optimizer_name=entry[4])
                 report["runs"].append(result)
                 print(json.dumps(result), flush=True)
         except Exception:  # a failed variant is reported; the others still run
@@ -384,10 +469,11 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)
     print(f"\n1 x {report['device']}, torch {torch.__version__}; baseline speculators 0.9.0 AdamW (ANCHORS.md)")
-    print("seq  ttt compiled loss      ms/step   tok/s   peak GiB  speculators  ratio (goal 1.5)")
+    print("seq  ttt compiled loss     optimizer ms/step   tok/s   peak GiB  speculators  ratio (goal 1.5)")
     for r in report["runs"]:
         print(
-            f"{r['seq']:>4} {r['ttt']:>4} {r['compiled']!s:>8} {r['loss_kernel']:<8} {r['ms_per_step']:8.1f}"
+            f"{r['seq']:>4} {r['ttt']:>4} {r['compiled']!s:>8} {r['loss_kernel']:<8} {r['optimizer']:<6}"
+            f" {r['ms_per_step']:8.1f}"
             f" {r['tokens_per_s']:8,.0f}"
             f" {r['peak_gib']:9.1f} {r.get('speculators_tokens_per_s', 0):>11,} {r.get('ratio', 0):6.2f}"
         )
