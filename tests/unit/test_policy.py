@@ -38,7 +38,7 @@ from tasks.policy import (
     run_phase,
     select_fields,
 )
-from tasks.progress import PrefectProgress, artifact_key, describe
+from tasks.progress import PrefectProgress, artifact_key
 from tasks.sampling import POLICY as SAMPLING_POLICY
 from tasks.target import prepare_target_task
 from tasks.training import POLICY as TRAINING_POLICY
@@ -282,9 +282,11 @@ def test_progress_lines_label_rates_with_their_unit():
     """Issue 14: "57/128 requests · 32.7/s" where 32.7 was tokens/s."""
     sampling = ProgressUpdate(phase="sampling", stage="requests", done=57, total=128, unit="requests", rate=32.7,
                               rate_unit="tok/s")  # fmt: skip
-    assert describe(sampling) == "requests: 57/128 requests · 32.7 tok/s"
-    shards = ProgressUpdate(phase="extraction", stage="shards", done=1, total=4, unit="shards", rate=0.25)
-    assert describe(shards) == "shards: 1/4 shards · 0.2 shards/s", "no rate unit: the unit per second"
+    assert sampling.line() == "requests: 57/128 requests · 32.7 tok/s"
+    shards = ProgressUpdate(phase="extraction", stage="shards", done=1, total=4, unit="shards", rate=0.25, eta_s=12,
+                            message="1/4 shards written")  # fmt: skip
+    assert shards.line() == "shards: 1/4 shards · 0.2 shards/s · ETA 12 s · 1/4 shards written", "unit per second"
+    assert shards.details() == "0.2 shards/s · 1/4 shards written", "what the bar itself does not show"
 
 
 def test_progress_artifacts_are_throttled_and_finish_at_100():
