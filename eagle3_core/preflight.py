@@ -28,6 +28,10 @@ from eagle3_core.target.prepare import TOKENIZER_FILES, tokenizer_digest
 SAMPLE_BYTES_PER_TOKEN = 32
 # fp32 weights plus AdamW's two moments per trainable parameter in one training state file.
 STATE_BYTES_PER_PARAMETER = 12
+# Training device memory per trainable parameter: fp32 weight, gradient and AdamW's two moments.
+TRAIN_BYTES_PER_PARAMETER = 16
+# Per frozen parameter (the target's embedding the draft reads), held in fp32.
+FROZEN_BYTES_PER_PARAMETER = 4
 
 
 class PreflightError(RuntimeError):
@@ -182,8 +186,8 @@ def preflight_extraction(
     conclude("extraction", events, checks, problems)
 
 
-def draft_parameters(target: TargetModel, draft_vocab_size: int, layer_ids: list[int]) -> int:
-    """Trainable parameters of the draft for this target, counted on the meta device (no memory)."""
+def draft_parameters(target: TargetModel, draft_vocab_size: int, layer_ids: list[int]) -> tuple[int, int]:
+    """(trainable, frozen) parameters of the draft for this target, counted on the meta device (no memory)."""
     import torch
 
     from eagle3_core.draft.model import DraftConfig, Eagle3Draft
@@ -191,7 +195,14 @@ def draft_parameters(target: TargetModel, draft_vocab_size: int, layer_ids: list
     target_config = json.loads((target.root_path / "config.json").read_text())
     with torch.device("meta"):
         draft = Eagle3Draft(DraftConfig.from_target_config(target_config, draft_vocab_size, layer_ids))
-    return sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in draft.parameters()) - trainable
+
+
+def training_memory_bytes(trainable: int, frozen: int) -> int:
+    """Device memory of the draft's weights, gradients and optimizer state in each training process (DDP
+    keeps a whole draft per GPU); activations, which grow with `training.max_length`, come on top."""
+    return trainable * TRAIN_BYTES_PER_PARAMETER + frozen * FROZEN_BYTES_PER_PARAMETER
 
 
 def checkpoint_bytes(parameters: int, keep: int) -> int:
@@ -211,11 +222,17 @@ def preflight_training(
     """`events` None: a torchrun rank other than the main one (it checks, the main rank records)."""
     tc = config.training
     layers = layer_problem(hidden_states.layer_ids, target.num_layers, "hidden_states.layer_ids")
-    parameters = 0 if layers else draft_parameters(target, draft_vocab_size, hidden_states.layer_ids)
+    parameters, frozen = (0, 0) if layers else draft_parameters(target, draft_vocab_size, hidden_states.layer_ids)
     needed = checkpoint_bytes(parameters, tc.keep_checkpoints)
     free = free_bytes(out_dir)
     gpus = device_gpus(tc.device)
-    checks = {"disk_needed": needed, "disk_free": free, "draft_parameters": parameters, "gpus": gpus}
+    checks = {
+        "disk_needed": needed,
+        "disk_free": free,
+        "draft_parameters": parameters,
+        "memory_estimate": training_memory_bytes(parameters, frozen),
+        "gpus": gpus,
+    }
     problems = [
         layers,
         disk_problem(out_dir, needed, free),
