@@ -83,6 +83,21 @@ def test_layer_ids_and_the_ids_vllm_is_asked_for(kimi, tmp_path):
     assert speculative["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58, 61]
 
 
+def test_vllm_serves_an_eagle3_draft_for_kimi_with_the_same_default_layers():
+    """vLLM's Kimi-K2.5 class (and the DeepSeek-V3 class it wraps) accept an EAGLE-3 draft, and vLLM's own
+    default aux layers for 61 layers are ours; the exported ids are read first anyway."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM
+    from vllm.model_executor.models.interfaces import SupportsEagle3, supports_eagle3
+    from vllm.model_executor.models.kimi_k25 import KimiK25ForConditionalGeneration
+
+    assert supports_eagle3(KimiK25ForConditionalGeneration) and supports_eagle3(DeepseekV3ForCausalLM)
+    language_model = SimpleNamespace(model=SimpleNamespace(layers=[None] * LAYERS))
+    kimi = SimpleNamespace(language_model=language_model)
+    assert SupportsEagle3.get_eagle3_default_aux_hidden_state_layers(kimi) == (2, 30, 58)
+
+
 def test_storage_bytes_per_token_match_a_written_fp8_shard(kimi, tmp_path):
     """fp8 e4m3: 4 states of H bytes, 4 fp32 scales, the int64 id and the int8 mask per token; a real shard
     of Kimi width holds exactly that plus its header and offsets."""
