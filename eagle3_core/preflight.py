@@ -264,7 +264,7 @@ def vllm_cpu_mla_problem(mla: bool, on_gpu: bool, amx: bool) -> str | None:
     )
 
 
-def preflight_evaluation(config: PipelineConfig, target: TargetModel, runs_vllm: bool, events: RunEvents) -> None:
+def preflight_evaluation(target: TargetModel, runs_vllm: bool, events: RunEvents) -> None:
     """`runs_vllm`: measurement (b) would start vLLM with the draft (see `evaluation.phase.vllm_unavailable`)."""
     import torch
 

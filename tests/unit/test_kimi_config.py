@@ -20,7 +20,14 @@ from eagle3_core.events import PREFLIGHT, RunEvents
 from eagle3_core.extraction.layout import resolve_layer_ids
 from eagle3_core.extraction.storage import SampleStates, bytes_per_token, write_shard
 from eagle3_core.extraction.vllm_backend import extraction_args
-from eagle3_core.preflight import PreflightError, preflight_extraction, preflight_training
+from eagle3_core.preflight import (
+    PreflightError,
+    preflight_evaluation,
+    preflight_extraction,
+    preflight_training,
+    uses_mla,
+    vllm_cpu_mla_problem,
+)
 from eagle3_core.target.prepare import describe_folder
 
 CONFIG_FILE = Path(__file__).parents[2] / "configs" / "kimi-k2.5-tp8.yaml"
@@ -98,6 +105,37 @@ def test_vllm_serves_an_eagle3_draft_for_kimi_with_the_same_default_layers():
     assert SupportsEagle3.get_eagle3_default_aux_hidden_state_layers(kimi) == (2, 30, 58)
 
 
+def test_the_hidden_states_connector_finds_its_kv_group_beside_kimis_mla_layers():
+    """The connector refuses ("MLA verifiers are unsupported") only when the hidden-states layer is not
+    alone in a group of its own nor all layers in one group. vLLM's hidden-state cache spec is an MLA spec,
+    so beside 61 MLA layers of one block size (64 on GPUs) vLLM builds a single group of one spec type,
+    and the connector takes group 0 with that block size: the same resolution the tiny DeepSeek-V3 runs
+    through on vllm-cpu (blocks of 16) in tests/integration/test_deepseek_vllm.py."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector,
+    )
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec, MLAAttentionSpec
+
+    latent = 512 + 64  # kv_lora_rank + qk_rope_head_dim: one latent vector per token, not split by TP
+    specs = {
+        f"model.layers.{i}.self_attn.attn": MLAAttentionSpec(
+            block_size=64, num_kv_heads=1, head_size=latent, dtype=torch.bfloat16, cache_dtype_str="auto"
+        )
+        for i in range(LAYERS)
+    }
+    specs["hidden_states.attn"] = HiddenStateCacheSpec(block_size=64, num_kv_heads=4, head_size=HIDDEN,
+                                                       dtype=torch.bfloat16)  # fmt: skip
+    vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False))
+    kv_cache_config = SimpleNamespace(kv_cache_groups=get_kv_cache_groups(vllm_config, specs))
+    assert len(kv_cache_config.kv_cache_groups) == 1
+    group = ExampleHiddenStatesConnector._find_cache_kv_group_id(kv_cache_config)
+    assert group == 0
+    assert ExampleHiddenStatesConnector._get_cache_block_size(vllm_config, kv_cache_config, group) == 64
+
+
 def test_storage_bytes_per_token_match_a_written_fp8_shard(kimi, tmp_path):
     """fp8 e4m3: 4 states of H bytes, 4 fp32 scales, the int64 id and the int8 mask per token; a real shard
     of Kimi width holds exactly that plus its header and offsets."""
@@ -171,3 +209,16 @@ def test_training_preflight_prints_draft_parameters_disk_and_memory(kimi, tmp_pa
     assert line["memory_estimate"] == memory and f"memory_estimate {memory}" in line["message"]
     keep = config.training.keep_checkpoints
     assert line["disk_needed"] == (keep + 1) * trainable * 12 + trainable * 4
+
+
+def test_evaluation_preflight_lets_vllm_serve_kimi_on_gpus_only(kimi, tmp_path):
+    """Kimi is an MLA target: vLLM's measurement is refused on a CPU host without AMX (vllm-cpu's kernels
+    share no KV block size with the draft's), allowed on a GPU host, refused before anything loads."""
+    target, _ = kimi
+    assert uses_mla(target)
+    assert vllm_cpu_mla_problem(uses_mla(target), on_gpu=True, amx=False) is None
+    assert "evaluation.with_vllm" in vllm_cpu_mla_problem(uses_mla(target), on_gpu=False, amx=False)
+    events = RunEvents(tmp_path)
+    preflight_evaluation(target, False, events)
+    [line] = events.read()
+    assert line["ok"] is True and line["mla"] is True and line["with_vllm"] is False
