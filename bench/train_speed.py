@@ -49,6 +49,26 @@ def llama8b_draft_config() -> DraftConfig:
     )
 
 
+def kimi_draft_config() -> DraftConfig:
+    """The Llama-shaped draft of Kimi-K2.5 (hidden 7168, 64 heads of 112, intermediate 18432, aux layers
+    [2, 30, 58], vocabulary 163840 mapped to 32000): `DraftConfig.from_target_config` of its config."""
+    return DraftConfig(
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        head_dim=112,
+        vocab_size=163840,
+        draft_vocab_size=32000,
+        aux_layer_ids=[2, 30, 58],
+        rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+    )
+
+
+SHAPES = {"llama8b": llama8b_draft_config, "kimi": kimi_draft_config}
+
+
 def check_flex_attention(device: torch.device) -> float:
     """Relative error of flex (LSE-merged) TTT attention against the eager path, output and gradients."""
     torch.manual_seed(0)
@@ -184,13 +204,14 @@ def measure(
     bf16_reduce: bool = False,
     plain_ddp: bool = False,
     loss_kernel: str = "triton",
+    shape: str = "llama8b",
 ) -> dict:
-    """ms/step and tokens/s of `iters` steps (two windows). Under DDP every rank trains its own sequences
-    and tokens/s counts all ranks' tokens."""
+    """ms/step and tokens/s of `iters` steps (two windows) for the draft of `shape` (SHAPES). Under DDP every
+    rank trains its own sequences and tokens/s counts all ranks' tokens."""
     device = group.device if group is not None else torch.device("cuda")
     world = group.world if group is not None else 1
     rank = group.rank if group is not None else 0
-    config = llama8b_draft_config()
+    config = SHAPES[shape]()
     start = time.monotonic()
     objective, head, params, optimizer = build(
         config, ttt_steps, device, compiled, group, bf16_reduce, plain_ddp, loss_kernel
@@ -212,6 +233,7 @@ def measure(
         windows.append(begin.elapsed_time(end) / iters)
     ms = sum(windows) / len(windows)
     result = {
+        "shape": shape,
         "seq": length,
         "ttt": ttt_steps,
         "compiled": compiled,
@@ -226,7 +248,7 @@ def measure(
         "setup_s": setup_s,
         "final_loss": float(loss),
     }
-    baseline = SPECULATORS.get((length, ttt_steps))
+    baseline = SPECULATORS.get((length, ttt_steps)) if shape == "llama8b" else None
     if baseline and world == 1:
         result["speculators_tokens_per_s"] = baseline
         result["ratio"] = result["tokens_per_s"] / baseline
@@ -345,6 +367,7 @@ def main() -> None:
     parser.add_argument("--bf16-reduce", action="store_true", help="--ddp: also time bf16 gradient all-reduce.")
     parser.add_argument("--plain-ddp", action="store_true", help="--ddp: also time DDP without the early sync.")
     parser.add_argument("--loss-kernel", default="triton", choices=["triton", "inductor"], help="--ddp: soft-CE rows.")
+    parser.add_argument("--shape", default="llama8b", choices=sorted(SHAPES), help="Draft shape of the one-GPU runs.")
     args = parser.parse_args()
     if args.ddp:
         main_ddp(args)
@@ -374,7 +397,8 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in profiled.items() if k != "table"}), flush=True)
                 print(profiled["table"], flush=True)
             else:
-                result = measure(*entry[:3], warmup=3, iters=args.iters, loss_kernel=(entry[3:] or ("triton",))[0])
+                kernel = (entry[3:] or ("triton",))[0]
+                result = measure(*entry[:3], warmup=3, iters=args.iters, loss_kernel=kernel, shape=args.shape)
                 report["runs"].append(result)
                 print(json.dumps(result), flush=True)
         except Exception:  # a failed variant is reported; the others still run
