@@ -1,7 +1,7 @@
 """EAGLE-3 draft training throughput on one GPU, against speculators 0.9.0 (shared/ANCHORS.md).
 
 Draft of a Llama-3.1-8B-shaped target (hidden 4096, 32 heads, 8 kv heads, intermediate 14336, aux layers
-[2, 16, 29], vocabulary 128256 mapped to 32000), random inputs, one packed sequence per step, bf16
+[2, 16, 29], vocabulary 128256 mapped to 32000; `--shape kimi`: Kimi-K2.5's), random inputs, one packed sequence per step, bf16
 autocast, fp32 master weights, fused AdamW, gradient clipping: the real `TTTObjective` of training.
 
 Imports only torch (+ safetensors through eagle3_core.draft.model): the GPU machine has no pydantic.
@@ -34,39 +34,18 @@ SPECULATORS = {(2048, 7): 20_724, (4096, 3): 56_550, (2048, 3): 43_864, (4096, 7
 GOAL_RATIO = 1.5
 
 
-def llama8b_draft_config() -> DraftConfig:
-    return DraftConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        draft_vocab_size=32000,
-        aux_layer_ids=[2, 16, 29],
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-    )
+# Draft shapes: a Llama-3.1-8B-shaped target's, and Kimi-K2.5's (its Llama-shaped draft: 64 heads of 112,
+# `DraftConfig.from_target_config` of its config); both map the vocabulary to 32000 draft tokens.
+SHAPES: dict[str, dict] = {
+    "llama8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "head_dim": 128, "vocab_size": 128256, "aux_layer_ids": [2, 16, 29], "rope_theta": 500000.0},
+    "kimi": {"hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64, "num_key_value_heads": 64,
+             "head_dim": 112, "vocab_size": 163840, "aux_layer_ids": [2, 30, 58], "rope_theta": 50000.0},
+}  # fmt: skip
 
 
-def kimi_draft_config() -> DraftConfig:
-    """The Llama-shaped draft of Kimi-K2.5 (hidden 7168, 64 heads of 112, intermediate 18432, aux layers
-    [2, 30, 58], vocabulary 163840 mapped to 32000): `DraftConfig.from_target_config` of its config."""
-    return DraftConfig(
-        hidden_size=7168,
-        intermediate_size=18432,
-        num_attention_heads=64,
-        num_key_value_heads=64,
-        head_dim=112,
-        vocab_size=163840,
-        draft_vocab_size=32000,
-        aux_layer_ids=[2, 30, 58],
-        rms_norm_eps=1e-5,
-        rope_theta=50000.0,
-    )
-
-
-SHAPES = {"llama8b": llama8b_draft_config, "kimi": kimi_draft_config}
+def draft_config(shape: str = "llama8b") -> DraftConfig:
+    return DraftConfig(draft_vocab_size=32000, rms_norm_eps=1e-5, **SHAPES[shape])
 
 
 def check_flex_attention(device: torch.device) -> float:
@@ -211,7 +190,7 @@ def measure(
     device = group.device if group is not None else torch.device("cuda")
     world = group.world if group is not None else 1
     rank = group.rank if group is not None else 0
-    config = SHAPES[shape]()
+    config = draft_config(shape)
     start = time.monotonic()
     objective, head, params, optimizer = build(
         config, ttt_steps, device, compiled, group, bf16_reduce, plain_ddp, loss_kernel
@@ -280,7 +259,7 @@ def profile_step(length: int, ttt_steps: int, rows: int = 40) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device("cuda")
-    config = llama8b_draft_config()
+    config = draft_config()
     objective, head, params, optimizer = build(config, ttt_steps, device, compiled=True)
     batch = random_batch(config, length, ttt_steps, device, 0)
     for _ in range(3):
