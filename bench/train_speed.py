@@ -1,8 +1,9 @@
 """EAGLE-3 draft training throughput on one GPU, against speculators 0.9.0 (shared/ANCHORS.md).
 
 Draft of a Llama-3.1-8B-shaped target (hidden 4096, 32 heads, 8 kv heads, intermediate 14336, aux layers
-[2, 16, 29], vocabulary 128256 mapped to 32000; `--shape kimi`: Kimi-K2.5's), random inputs, one packed sequence per step, bf16
-autocast, fp32 master weights, fused AdamW, gradient clipping: the real `TTTObjective` of training.
+[2, 16, 29], vocabulary 128256 mapped to 32000; `--shape kimi`: Kimi-K2.5's), random inputs, one packed
+sequence per step, bf16 autocast, fp32 master weights, fused AdamW, gradient clipping: the real
+`TTTObjective` of training.
 
 Imports only torch (+ safetensors through eagle3_core.draft.model): the GPU machine has no pydantic.
 Run from the repository root:  PYTHONPATH=. python bench/train_speed.py [--out results.json]
