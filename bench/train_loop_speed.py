@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.train_speed import SPECULATORS, SPECULATORS_MUON, build, llama8b_draft_config, measure
+from bench.train_speed import SPECULATORS, SPECULATORS_MUON, build, draft_config, measure
 from eagle3_core.artifacts import FileRecord, HiddenStateSet
 from eagle3_core.config import TrainingConfig
 from eagle3_core.events import RunEvents
@@ -38,7 +38,7 @@ LENGTH, TTT, LAYER_IDS = 2048, 7, [2, 16, 29]
 
 def write_hidden_states(root: Path, dtype: str, samples: int, per_shard: int = 4) -> HiddenStateSet:
     """A hidden-state set of `samples` random samples of LENGTH tokens, written as extraction writes it."""
-    config = llama8b_draft_config()
+    config = draft_config()
     generator = torch.Generator().manual_seed(0)
     root.mkdir(parents=True, exist_ok=True)
     files, index = [], []
@@ -75,7 +75,7 @@ def loop_run(hidden: HiddenStateSet, compile_setting: str, steps: int, warmup: i
     ms/step and tokens/s between its first report at or after step `warmup` and its last (the reports'
     times are exact: each follows a host sync)."""
     device = torch.device("cuda")
-    objective, head, _, _ = build(llama8b_draft_config(), TTT, device, compiled=False)
+    objective, head, _, _ = build(draft_config(), TTT, device, compiled=False)
     tc = TrainingConfig(
         ttt_steps=TTT,
         max_length=LENGTH,

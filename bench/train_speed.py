@@ -1,9 +1,9 @@
 """EAGLE-3 draft training throughput on one GPU, against speculators 0.9.0 (shared/ANCHORS.md).
 
 Draft of a Llama-3.1-8B-shaped target (hidden 4096, 32 heads, 8 kv heads, intermediate 14336, aux layers
-[2, 16, 29], vocabulary 128256 mapped to 32000), random inputs, one packed sequence per step, bf16
-autocast, fp32 master weights, fused AdamW (or training's Muon + AdamW: `--optimizers adamw,muon`), gradient
-clipping: the real `TTTObjective` of training.
+[2, 16, 29], vocabulary 128256 mapped to 32000; `--shape kimi`: Kimi-K2.5's), random inputs, one packed
+sequence per step, bf16 autocast, fp32 master weights, fused AdamW (or training's Muon + AdamW:
+`--optimizers adamw,muon`), gradient clipping: the real `TTTObjective` of training.
 
 Imports only torch (+ safetensors through eagle3_core.draft.model): the GPU machine has no pydantic.
 Run from the repository root:  PYTHONPATH=. python bench/train_speed.py [--out results.json]
@@ -44,19 +44,18 @@ SPECULATORS_MUON = {(2048, 7): 14_446, (4096, 3): 37_070, (2048, 3): 23_575, (40
 GOAL_RATIO = 1.5
 
 
-def llama8b_draft_config() -> DraftConfig:
-    return DraftConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        draft_vocab_size=32000,
-        aux_layer_ids=[2, 16, 29],
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-    )
+# Draft shapes: a Llama-3.1-8B-shaped target's, and Kimi-K2.5's (its Llama-shaped draft: 64 heads of 112,
+# `DraftConfig.from_target_config` of its config); both map the vocabulary to 32000 draft tokens.
+SHAPES: dict[str, dict] = {
+    "llama8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "head_dim": 128, "vocab_size": 128256, "aux_layer_ids": [2, 16, 29], "rope_theta": 500000.0},
+    "kimi": {"hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64, "num_key_value_heads": 64,
+             "head_dim": 112, "vocab_size": 163840, "aux_layer_ids": [2, 30, 58], "rope_theta": 50000.0},
+}  # fmt: skip
+
+
+def draft_config(shape: str = "llama8b") -> DraftConfig:
+    return DraftConfig(draft_vocab_size=32000, rms_norm_eps=1e-5, **SHAPES[shape])
 
 
 def check_flex_attention(device: torch.device) -> float:
@@ -120,7 +119,7 @@ def check_muon(device: torch.device, steps: int = 5) -> dict:
     and the largest relative difference of the weights after one step (0 = bit for bit)."""
     torch.manual_seed(0)
     with torch.device(device):
-        start, _ = muon_parameters(Eagle3Draft(llama8b_draft_config()))
+        start, _ = muon_parameters(Eagle3Draft(draft_config()))
     grads = [torch.randn_like(w) for w in start]
     makers = {
         "torch": lambda ws: torch.optim.Muon(ws, lr=3e-3, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
@@ -258,13 +257,14 @@ def measure(
     plain_ddp: bool = False,
     loss_kernel: str = "triton",
     optimizer_name: str = "adamw",
+    shape: str = "llama8b",
 ) -> dict:
-    """ms/step and tokens/s of `iters` steps (two windows). Under DDP every rank trains its own sequences
-    and tokens/s counts all ranks' tokens."""
+    """ms/step and tokens/s of `iters` steps (two windows) for the draft of `shape` (SHAPES). Under DDP every
+    rank trains its own sequences and tokens/s counts all ranks' tokens."""
     device = group.device if group is not None else torch.device("cuda")
     world = group.world if group is not None else 1
     rank = group.rank if group is not None else 0
-    config = llama8b_draft_config()
+    config = draft_config(shape)
     start = time.monotonic()
     objective, head, params, optimizer = build(
         config, ttt_steps, device, compiled, group, bf16_reduce, plain_ddp, loss_kernel, optimizer_name
@@ -286,6 +286,7 @@ def measure(
         windows.append(begin.elapsed_time(end) / iters)
     ms = sum(windows) / len(windows)
     result = {
+        "shape": shape,
         "seq": length,
         "ttt": ttt_steps,
         "compiled": compiled,
@@ -301,7 +302,8 @@ def measure(
         "setup_s": setup_s,
         "final_loss": float(loss),
     }
-    baseline = (SPECULATORS if optimizer_name == "adamw" else SPECULATORS_MUON).get((length, ttt_steps))
+    speculators = SPECULATORS if optimizer_name == "adamw" else SPECULATORS_MUON
+    baseline = speculators.get((length, ttt_steps)) if shape == "llama8b" else None
     if baseline and world == 1:
         result["speculators_tokens_per_s"] = baseline
         result["ratio"] = result["tokens_per_s"] / baseline
@@ -333,7 +335,7 @@ def profile_step(length: int, ttt_steps: int, optimizer_name: str = "adamw", row
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device("cuda")
-    config = llama8b_draft_config()
+    config = draft_config()
     objective, head, params, optimizer = build(config, ttt_steps, device, True, optimizer_name=optimizer_name)
     batch = random_batch(config, length, ttt_steps, device, 0)
     for _ in range(3):
@@ -423,6 +425,7 @@ def main() -> None:
     parser.add_argument("--optimizers", default="adamw", help="Comma-separated: adamw, muon (one-GPU runs).")
     parser.add_argument("--profile-optimizer", default="adamw", choices=["adamw", "muon"], help="Of the profiles.")
     parser.add_argument("--loss-kernel", default="triton", choices=["triton", "inductor"], help="--ddp: soft-CE rows.")
+    parser.add_argument("--shape", default="llama8b", choices=sorted(SHAPES), help="Draft shape of the one-GPU runs.")
     args = parser.parse_args()
     if args.ddp:
         main_ddp(args)
@@ -459,7 +462,9 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in profiled.items() if k != "table"}), flush=True)
                 print(profiled["table"], flush=True)
             else:
-                result = measure(*entry[:3], 3, args.iters, loss_kernel=entry[3], optimizer_name=entry[4])
+                result = measure(
+                    *entry[:3], 3, args.iters, loss_kernel=entry[3], optimizer_name=entry[4], shape=args.shape
+                )
                 report["runs"].append(result)
                 print(json.dumps(result), flush=True)
         except Exception:  # a failed variant is reported; the others still run

