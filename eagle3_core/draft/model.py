@@ -339,17 +339,6 @@ class Eagle3Draft(nn.Module):
         """Pre-norm states [..., H] -> draft-vocabulary logits [..., Vd]."""
         return self.lm_head(self.norm(prenorm))
 
-    def layer(
-        self,
-        hidden: torch.Tensor,
-        embeds: torch.Tensor,
-        positions: torch.Tensor,
-        attend: Attend,
-        weights: Weights | None = None,
-        embed_proj: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.midlayer(hidden, embeds, positions, attend, weights, embed_proj)
-
     def compile_blocks(self) -> None:
         """torch.compile the layer's dense blocks around attention (norms, projections, rotary, MLP):
         fuses their elementwise work; attention is compiled on its own (flex) and stays outside."""
@@ -395,7 +384,7 @@ class Eagle3Draft(nn.Module):
         for step in range(ttt_steps):  # step 0: target states; step k > 0: the draft's own step k-1 output
             step_embeds = embeds[:, step + 1 : step + 1 + length]
             step_proj = embed_proj[:, step + 1 : step + 1 + length]
-            output = self.layer(hidden, step_embeds, position_ids + step, attend, weights, step_proj)
+            output = self.midlayer(hidden, step_embeds, position_ids + step, attend, weights, step_proj)
             states.append(output)
             hidden = self.next_state(output)
         return states
@@ -424,7 +413,7 @@ class Eagle3Draft(nn.Module):
                 q, cache.keys.to(q.dtype), cache.values.to(q.dtype), attn_mask=mask, enable_gqa=True
             )
 
-        out = self.layer(hidden[None].to(self.fc.weight.dtype), self.embed(input_ids)[None], positions, attend)
+        out = self.midlayer(hidden[None].to(self.fc.weight.dtype), self.embed(input_ids)[None], positions, attend)
         return self.compute_logits(out[0]), self.next_state(out[0])
 
     @torch.no_grad()
