@@ -10,8 +10,10 @@ Under `<run_dir>/draft/`:
   when training ends.
 
 A resumed run continues the record: on resume at step S the rows of steps after S (trained again now) are
-dropped from `curves.jsonl`, and the event files are purged from S on (TensorBoard's `purge_step`), step S
-written again, so neither the plot nor TensorBoard shows a step twice. A fresh start clears all three.
+dropped from `curves.jsonl`, and the event files are written again from the rows kept, into one new file,
+so neither the plot nor TensorBoard shows a step twice. (Not TensorBoard's `purge_step`: it drops the steps
+written before it in load order, and TensorBoard loads event files in the order of their names, whose
+last field is a per-process counter: `...pid.10` loads before `...pid.9`.) A fresh start clears all three.
 
 The loop reads nothing from the device here except at its reports: each step's gradient norm stays a
 device tensor until `report`, which reads them all with one copy, right after the loop's own sync.
@@ -121,11 +123,11 @@ class TrainingCurves:
         log_dir = self.out_dir / TENSORBOARD_DIR
         kept = [row for row in read_record(self.record_path) if kept_on_resume(row, step)] if step else []
         if not step:
-            shutil.rmtree(log_dir, ignore_errors=True)
             self.plot_path.unlink(missing_ok=True)
         write_text_atomic(self.record_path, "".join(json.dumps(row) + "\n" for row in kept))
-        self.writer = SummaryWriter(str(log_dir), purge_step=step or None)
-        self._write_events([row for row in kept if row["step"] >= step])  # purged with everything after it
+        shutil.rmtree(log_dir, ignore_errors=True)
+        self.writer = SummaryWriter(str(log_dir))
+        self._write_events(kept)
         initial = {k.removeprefix("initial_"): v for row in history for k, v in row.items() if k.startswith("initial_")}
         if not step and initial:
             self.validation(0, initial)
