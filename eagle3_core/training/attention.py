@@ -57,7 +57,7 @@ def diagonal_scores(q: torch.Tensor, keys: list[torch.Tensor]) -> torch.Tensor:
 
 
 def weighted_diagonal_values(weights: torch.Tensor, values: list[torch.Tensor]) -> torch.Tensor:
-    """weights [B, Hq, T, k] fp32, values[j] [B, Hkv, T, D] for steps 1..k -> [B, Hq, T, D] fp32."""
+    """weights [B, Hq, T, k] fp32, values[j] [B, Hkv, T, Dv] for steps 1..k -> [B, Hq, T, Dv] fp32."""
     batch, heads, length, steps = weights.shape
     grouped = weights.view(batch, values[0].shape[1], heads // values[0].shape[1], length, steps)
     out = sum(grouped[..., j, None] * value[:, :, None].float() for j, value in enumerate(values))
@@ -67,8 +67,8 @@ def weighted_diagonal_values(weights: torch.Tensor, values: list[torch.Tensor]) 
 def ttt_attention_eager(
     q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask: Mask
 ) -> torch.Tensor:
-    """Explicit-score TTT attention. q [B, Hq, T, D]; keys/values: one [B, Hkv, T, D] per step so far
-    (step 0 first); mask [B, 1, T, T] bool. Returns [B, Hq, T, D] in q's dtype."""
+    """Explicit-score TTT attention. q [B, Hq, T, D]; keys [B, Hkv, T, D] and values [B, Hkv, T, Dv]: one
+    per step so far (step 0 first); mask [B, 1, T, T] bool. Returns [B, Hq, T, Dv] in q's dtype."""
     batch, heads, length, dim = q.shape
     kv_heads = keys[0].shape[1]
     grouped_q = _grouped(q, kv_heads)  # [B, Hkv, G, T, D]
@@ -79,7 +79,7 @@ def ttt_attention_eager(
         scores = torch.cat([scores, diagonal_scores(q, keys)], dim=-1)  # [B, Hq, T, T + k]
     probs = torch.softmax(scores, dim=-1)
     causal_probs = _grouped(probs[..., :length].contiguous(), kv_heads)  # [B, Hkv, G, T, T]
-    out = (causal_probs @ values[0][:, :, None].float()).view(batch, heads, length, dim)
+    out = (causal_probs @ values[0][:, :, None].float()).view(batch, heads, length, -1)  # [B, Hq, T, Dv]
     if len(keys) > 1:
         out = out + weighted_diagonal_values(probs[..., length:], values[1:])
     return out.to(q.dtype)
@@ -88,8 +88,8 @@ def ttt_attention_eager(
 def merge_diagonal(
     q: torch.Tensor, out0: torch.Tensor, lse0: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 ) -> torch.Tensor:
-    """Merge attention over step-0 entries (out0 [B, Hq, T, D], log-sum-exp lse0 [B, Hq, T]) with each
-    query's own chain entries keys/values [S, B, Hkv, T, D] (steps 1..S):
+    """Merge attention over step-0 entries (out0 [B, Hq, T, Dv], log-sum-exp lse0 [B, Hq, T]) with each
+    query's own chain entries keys [S, B, Hkv, T, D] / values [S, B, Hkv, T, Dv] (steps 1..S):
     out = (e^lse0 * out0 + sum_j e^s_j * v_j) / (e^lse0 + sum_j e^s_j), computed stably in fp32."""
     batch, heads, length, dim = q.shape
     steps, kv_heads = keys.shape[0], keys.shape[2]
@@ -98,7 +98,7 @@ def merge_diagonal(
     scores = torch.cat([lse0.float()[None], scores.reshape(steps, batch, heads, length)])  # [1 + S, B, Hq, T]
     weights = torch.softmax(scores, dim=0)
     diagonal = weights[1:].view(steps, batch, kv_heads, heads // kv_heads, length, 1) * values[:, :, :, None].float()
-    out = weights[0, ..., None] * out0.float() + diagonal.sum(0).view(batch, heads, length, dim)
+    out = weights[0, ..., None] * out0.float() + diagonal.sum(0).view(batch, heads, length, -1)
     return out.to(q.dtype)
 
 
@@ -121,7 +121,7 @@ def ttt_attention_flex(
     diagonal entries of steps 1..k by `merge_diagonal` (compiled: one fused pass per step)."""
     out0, lse0 = _compiled_flex_attention()(
         q, keys[0], values[0], block_mask=block_mask, return_lse=True, enable_gqa=True
-    )  # out0 [B, Hq, T, D], lse0 [B, Hq, T]
+    )  # out0 [B, Hq, T, Dv], lse0 [B, Hq, T]
     if len(keys) == 1:
         return out0
     return _compiled_merge_diagonal()(q, out0, lse0, torch.stack(keys[1:]), torch.stack(values[1:]))

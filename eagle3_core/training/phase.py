@@ -96,7 +96,8 @@ def draft_config_of(
 ) -> DraftConfig:
     """The draft's shape from the target's config.json, with the recipe flags of `training`."""
     target_config = json.loads((target.root_path / "config.json").read_text())
-    shape = DraftConfig.from_target_config(target_config, vocab_map.draft_vocab_size, layer_ids)
+    architecture = config.training.draft_architecture
+    shape = DraftConfig.from_target_config(target_config, vocab_map.draft_vocab_size, layer_ids, architecture)
     return replace(shape, **{flag: getattr(config.training, flag) for flag in RECIPE_FLAGS})
 
 

@@ -44,7 +44,7 @@ def reference_ttt_attention(q, keys, values, document_ids):
     """Per query: softmax over step-0 keys j <= i of the same document plus index i of steps 1..k."""
     batch, heads, length, dim = q.shape
     groups = heads // keys[0].shape[1]
-    out = torch.zeros_like(q)
+    out = q.new_zeros(batch, heads, length, values[0].shape[-1])
     for b in range(batch):
         for h in range(heads):
             kv = h // groups

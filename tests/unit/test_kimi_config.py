@@ -216,9 +216,15 @@ def test_evaluation_preflight_lets_vllm_serve_kimi_on_gpus_only(kimi, tmp_path):
     share no KV block size with the draft's), allowed on a GPU host, refused before anything loads."""
     target, _ = kimi
     assert uses_mla(target)
-    assert vllm_cpu_mla_problem(uses_mla(target), on_gpu=True, amx=False) is None
-    assert "evaluation.with_vllm" in vllm_cpu_mla_problem(uses_mla(target), on_gpu=False, amx=False)
+    assert vllm_cpu_mla_problem(uses_mla(target), mla_draft=False, on_gpu=True, amx=False) is None
+    refusal = vllm_cpu_mla_problem(uses_mla(target), mla_draft=False, on_gpu=False, amx=False)
+    assert "evaluation.with_vllm" in refusal and "training.draft_architecture: deepseek_mla" in refusal
+    # An MLA draft runs on the target's own CPU MLA kernel: nothing to refuse.
+    assert vllm_cpu_mla_problem(uses_mla(target), mla_draft=True, on_gpu=False, amx=False) is None
     events = RunEvents(tmp_path)
-    preflight_evaluation(target, False, events)
+    draft_dir = tmp_path / "export"
+    draft_dir.mkdir()
+    (draft_dir / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    preflight_evaluation(target, draft_dir, False, events)
     [line] = events.read()
-    assert line["ok"] is True and line["mla"] is True and line["with_vllm"] is False
+    assert line["ok"] is True and line["mla"] is True and line["mla_draft"] is False and line["with_vllm"] is False
