@@ -228,3 +228,37 @@ def test_evaluation_preflight_lets_vllm_serve_kimi_on_gpus_only(kimi, tmp_path):
     preflight_evaluation(target, draft_dir, False, events)
     [line] = events.read()
     assert line["ok"] is True and line["mla"] is True and line["mla_draft"] is False and line["with_vllm"] is False
+
+
+def test_mla_draft_at_kimis_shape_and_its_training_preflight(kimi, tmp_path):
+    """`training.draft_architecture: deepseek_mla` takes Kimi's MLA ranks (q latent 1536, kv latent 512,
+    head dims 128 + 64 and 128): the draft's shape, its export config for vLLM's deepseek_eagle3, and the
+    parameter count and memory estimate the training preflight prints, against the shapes alone."""
+    target, config = kimi
+    config = config.model_copy(
+        update={"training": config.training.model_copy(update={"draft_architecture": "deepseek_mla"})}
+    )
+    text = json.loads((target.root_path / "config.json").read_text())["text_config"]
+    draft = DraftConfig.from_target_config(text, 32000, [2, 30, 58], "deepseek_mla")
+    assert (draft.q_lora_rank, draft.kv_lora_rank, draft.qk_nope_head_dim, draft.qk_rope_head_dim) == (
+        1536,
+        512,
+        128,
+        64,
+    )
+    exported = hf_config(draft)
+    assert exported["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and exported["v_head_dim"] == 128
+    assert expected_shapes(draft)["midlayer.self_attn.kv_b_proj.weight"] == (HEADS * (128 + 128), 512)
+    attention = (
+        1536 * 2 * HIDDEN + 1536 + HEADS * 192 * 1536  # q latent from [embed; hidden], its norm, q_b_proj
+        + 576 * 2 * HIDDEN + 512 + HEADS * 256 * 512  # kv latent + rope key, its norm, kv_b_proj
+        + HIDDEN * HEADS * 128  # o_proj
+    )  # fmt: skip
+    llama_trainable, frozen = expected_draft_parameters(32000)
+    trainable = llama_trainable - (3 * HIDDEN * 2 * HIDDEN + HIDDEN * HIDDEN) + attention
+    events = RunEvents(tmp_path)
+    hidden = type("Hidden", (), {"layer_ids": [2, 30, 58]})()
+    preflight_training(config, hidden, target, config.vocab.draft_vocab_size, tmp_path, events)
+    [line] = events.read()
+    assert line["ok"] is True and line["draft_parameters"] == trainable
+    assert line["memory_estimate"] == trainable * 16 + frozen * 4

@@ -123,6 +123,16 @@ def test_training_preflight_counts_the_drafts_checkpoints(tmp_path, target_copy)
     assert line["disk_needed"] == checkpoint_bytes(line["draft_parameters"], config.training.keep_checkpoints)
 
 
+def test_training_preflight_refuses_an_mla_draft_for_a_target_without_mla(tmp_path, target_copy):
+    events = RunEvents(tmp_path)
+    config = PipelineConfig(run_dir=tmp_path, training={"draft_architecture": "deepseek_mla"})
+    hidden = type("Hidden", (), {"layer_ids": [2, 4, 5]})()
+    with pytest.raises(PreflightError, match=r"training\.draft_architecture: .*needs an MLA target"):
+        preflight_training(config, hidden, target_copy, 1000, tmp_path, events)
+    [line] = events.read()
+    assert line["ok"] is False and str(target_copy.root_path / "config.json") in line["message"]
+
+
 def test_disk_full_and_preflight_failures_are_never_retried():
     """A retry would fail the same way (after another weight load) until the user acts."""
     from tasks.policy import is_deterministic
