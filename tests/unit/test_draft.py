@@ -29,15 +29,19 @@ def tiny_config(vocab: int = 97, draft_vocab: int = 40) -> DraftConfig:
     )
 
 
-def tiny_draft(seed: int = 0) -> Eagle3Draft:
+def seeded_draft(config: DraftConfig, seed: int = 0) -> Eagle3Draft:
+    """A draft of `config` seeded with `seed`, its draft vocabulary a random sorted subset of the target's."""
     torch.manual_seed(seed)
-    config = tiny_config()
     draft = Eagle3Draft(config)
     t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
     selected = torch.randperm(config.vocab_size)[: config.draft_vocab_size].sort().values
     t2d[selected] = True
     draft.set_vocab(selected - torch.arange(config.draft_vocab_size), t2d)
-    return draft.double()
+    return draft
+
+
+def tiny_draft(seed: int = 0) -> Eagle3Draft:
+    return seeded_draft(tiny_config(), seed).double()
 
 
 def reference_ttt_attention(q, keys, values, document_ids):

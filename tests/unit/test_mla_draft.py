@@ -17,7 +17,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.draft.export import check_checkpoint, checkpoint_tensors, export_draft, load_exported
 from eagle3_core.draft.model import DraftConfig, DraftKVCache, Eagle3Draft
 from eagle3_core.training.attention import document_causal_mask, merge_diagonal, ttt_attention_eager
-from tests.unit.test_draft import random_batch, reference_ttt_attention, tiny_config, unroll
+from tests.unit.test_draft import random_batch, reference_ttt_attention, seeded_draft, tiny_config, unroll
 
 HEADS, NOPE, ROPE, V_DIM, KV_RANK = 4, 6, 4, 5, 12
 RECIPE = {"fc_norm": True, "norm_before_residual": True, "norm_output": True}
@@ -39,13 +39,7 @@ def mla_config(q_lora_rank: int | None = 10, **flags: bool) -> DraftConfig:
 
 def mla_draft(q_lora_rank: int | None = 10, seed: int = 0, **flags: bool) -> Eagle3Draft:
     """A float64 MLA draft whose norm weights are random too (a norm skipped or applied twice shows)."""
-    torch.manual_seed(seed)
-    config = mla_config(q_lora_rank, **flags)
-    draft = Eagle3Draft(config)
-    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-    selected = torch.randperm(config.vocab_size)[: config.draft_vocab_size].sort().values
-    t2d[selected] = True
-    draft.set_vocab(selected - torch.arange(config.draft_vocab_size), t2d)
+    draft = seeded_draft(mla_config(q_lora_rank, **flags), seed)
     with torch.no_grad():
         for param in draft.parameters():
             if param.ndim == 1:

@@ -38,7 +38,7 @@ from eagle3_core.training.optimizer import (
     orthogonalize_stacked,
     same_shape_groups,
 )
-from tests.unit.test_draft import random_batch, tiny_config
+from tests.unit.test_draft import random_batch, seeded_draft, tiny_config
 from tests.unit.test_training_loop import CPU, synthetic_data
 
 FLAG_SETS = [
@@ -53,13 +53,7 @@ FLAG_SETS = [
 
 def flagged_draft(seed: int = 0, **flags: bool) -> Eagle3Draft:
     """The tiny draft with `flags`, every norm weight random (so a norm applied twice or not at all shows)."""
-    torch.manual_seed(seed)
-    config = replace(tiny_config(), **flags)
-    draft = Eagle3Draft(config)
-    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-    selected = torch.randperm(config.vocab_size)[: config.draft_vocab_size].sort().values
-    t2d[selected] = True
-    draft.set_vocab(selected - torch.arange(config.draft_vocab_size), t2d)
+    draft = seeded_draft(replace(tiny_config(), **flags), seed)
     with torch.no_grad():
         for name, param in draft.named_parameters():
             if name.endswith("norm.weight") or ".norm" in name or "fc_norm" in name or name == "input_norm.weight":
