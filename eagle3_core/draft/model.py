@@ -1,6 +1,7 @@
-"""The EAGLE-3 draft: one Llama decoder layer over [norm(embed); norm(fc(aux))], with module names equal to
-the checkpoint names vLLM's `llama_eagle3` and SGLang's `LlamaForCausalLMEagle3` load (`fc`, `midlayer.*`,
-`norm`, `lm_head`, `d2t`, `t2d`), so a state dict maps onto the export one to one.
+"""The EAGLE-3 draft: one decoder layer (Llama attention, or DeepSeek's MLA) over [norm(embed); norm(fc(aux))],
+with module names equal to the checkpoint names vLLM's `llama_eagle3` / `deepseek_eagle3` and SGLang's
+`LlamaForCausalLMEagle3` load (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`), so a state dict maps
+onto the export one to one.
 
 Conventions (the same in training and decoding, and in vLLM):
 - `aux` is `[..., 3, Ht]`, the target's states at the ascending `aux_layer_ids`; `fc` reads their concatenation.
