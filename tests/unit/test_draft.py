@@ -99,6 +99,24 @@ def unroll(draft: Eagle3Draft, aux, input_ids, position_ids, document_ids, ttt_s
     return draft(aux, input_ids, position_ids, TTTAttention.for_documents(document_ids), ttt_steps)
 
 
+def assert_chain_equals_unroll(draft: Eagle3Draft, start: int = 4, steps: int = 3) -> DraftKVCache:
+    """Decode a chain of `steps` draft tokens after position `start` of a random 10-token sequence through
+    the KV cache (prefix from target states, then own states) and check each step's logits against the
+    training unroll's (float32 norms: equal to float32 rounding). Returns the cache."""
+    aux, input_ids, position_ids, document_ids = random_batch(draft, [10])
+    trained = unroll(draft, aux, input_ids, position_ids, document_ids, ttt_steps=steps)
+    cache = DraftKVCache()
+    logits, hidden = draft.step(cache, draft.combine_aux(aux[0, : start + 1]), input_ids[0, 1 : start + 2])
+    chain, hidden = [logits[-1]], hidden[-1:]
+    for step in range(1, steps):
+        logits, hidden = draft.step(cache, hidden, input_ids[0, start + step + 1 : start + step + 2])
+        chain.append(logits[0])
+    for step in range(steps):
+        want = draft.compute_logits(trained[step][0, start])
+        torch.testing.assert_close(chain[step], want, rtol=1e-5, atol=1e-5)
+    return cache
+
+
 def test_packed_documents_do_not_see_each_other() -> None:
     draft = tiny_draft()
     aux, input_ids, position_ids, document_ids = random_batch(draft, [7, 6])

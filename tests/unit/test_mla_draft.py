@@ -17,7 +17,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.draft.export import check_checkpoint, checkpoint_tensors, export_draft, load_exported
 from eagle3_core.draft.model import DraftConfig, DraftKVCache, Eagle3Draft
 from eagle3_core.training.attention import document_causal_mask, merge_diagonal, ttt_attention_eager
-from tests.unit.test_draft import random_batch, reference_ttt_attention, seeded_draft, tiny_config, unroll
+from tests.unit.test_draft import assert_chain_equals_unroll, reference_ttt_attention, seeded_draft, tiny_config
 
 HEADS, NOPE, ROPE, V_DIM, KV_RANK = 4, 6, 4, 5, 12
 RECIPE = {"fc_norm": True, "norm_before_residual": True, "norm_output": True}
@@ -133,18 +133,7 @@ def test_ttt_attention_takes_values_narrower_than_keys(steps: int) -> None:
 
 @pytest.mark.parametrize("q_lora_rank", [10, None], ids=["q-latent", "q-proj"])
 def test_mla_decoding_chain_equals_training_unroll(q_lora_rank: int | None) -> None:
-    draft = mla_draft(q_lora_rank, **RECIPE)
-    aux, input_ids, position_ids, document_ids = random_batch(draft, [10])
-    trained = unroll(draft, aux, input_ids, position_ids, document_ids, ttt_steps=3)
-    start, cache = 4, DraftKVCache()
-    logits, hidden = draft.step(cache, draft.combine_aux(aux[0, : start + 1]), input_ids[0, 1 : start + 2])
-    chain = [logits[-1]]
-    hidden = hidden[-1:]
-    for step in range(1, 3):
-        logits, hidden = draft.step(cache, hidden, input_ids[0, start + step + 1 : start + step + 2])
-        chain.append(logits[0])
-    for step in range(3):
-        torch.testing.assert_close(chain[step], draft.compute_logits(trained[step][0, start]), rtol=1e-5, atol=1e-5)
+    cache = assert_chain_equals_unroll(mla_draft(q_lora_rank, **RECIPE))
     assert cache.keys.shape[-1] == NOPE + ROPE and cache.values.shape[-1] == V_DIM
 
 

@@ -38,7 +38,7 @@ from eagle3_core.training.optimizer import (
     orthogonalize_stacked,
     same_shape_groups,
 )
-from tests.unit.test_draft import random_batch, seeded_draft, tiny_config
+from tests.unit.test_draft import assert_chain_equals_unroll, seeded_draft, tiny_config
 from tests.unit.test_training_loop import CPU, synthetic_data
 
 FLAG_SETS = [
@@ -106,20 +106,7 @@ def test_draft_step_matches_vllm_math(flags: dict) -> None:
 
 @pytest.mark.parametrize("flags", FLAG_SETS[1:], ids=lambda f: "+".join(f))
 def test_decoding_chain_equals_training_unroll_under_each_flag(flags: dict) -> None:
-    draft = flagged_draft(**flags)
-    aux, input_ids, position_ids, document_ids = random_batch(draft, [10])
-    trained = draft(aux, input_ids, position_ids, TTTAttention.for_documents(document_ids, "auto"), ttt_steps=3)
-    start = 4
-    cache = DraftKVCache()
-    logits, hidden = draft.step(cache, draft.combine_aux(aux[0, : start + 1]), input_ids[0, 1 : start + 2])
-    chain_logits = [logits[-1]]
-    hidden = hidden[-1:]
-    for step in range(1, 3):
-        logits, hidden = draft.step(cache, hidden, input_ids[0, start + step + 1 : start + step + 2])
-        chain_logits.append(logits[0])
-    for step in range(3):  # float32 norms: equal to float32 rounding
-        want = draft.compute_logits(trained[step][0, start])
-        torch.testing.assert_close(chain_logits[step], want, rtol=1e-5, atol=1e-5)
+    assert_chain_equals_unroll(flagged_draft(**flags))
 
 
 @pytest.mark.parametrize("flags", FLAG_SETS[1:], ids=lambda f: "+".join(f))
