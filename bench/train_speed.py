@@ -21,13 +21,9 @@ import traceback
 import torch
 
 from eagle3_core.draft.model import DraftConfig, Eagle3Draft
-from eagle3_core.training.attention import (
-    document_block_mask,
-    document_causal_mask,
-    ttt_attention_eager,
-    ttt_attention_flex,
-)
+from eagle3_core.training.attention import TTTAttention
 from eagle3_core.training.distributed import Group, init_group, wrap
+from eagle3_core.training.flash_ttt import document_starts
 from eagle3_core.training.loss import TargetHead, TTTObjective, scored_rows
 from eagle3_core.training.optimizer import (
     MuonAdamW,
@@ -58,24 +54,109 @@ def draft_config(shape: str = "llama8b") -> DraftConfig:
     return DraftConfig(draft_vocab_size=32000, rms_norm_eps=1e-5, **SHAPES[shape])
 
 
-def check_flex_attention(device: torch.device) -> float:
-    """Relative error of flex (LSE-merged) TTT attention against the eager path, output and gradients."""
+def check_attention(device: torch.device, heads: int = 8, kv_heads: int = 2, dim: int = 128) -> dict:
+    """Relative error of the GPU TTT attentions (flex, flash) against the eager path, output and
+    gradients, on the same bf16 inputs (two rows: two documents and padding, one document; grouped-query
+    heads, 4 steps). A backend that fails is reported by its error."""
     torch.manual_seed(0)
-    batch, heads, kv_heads, length, dim, steps = 1, 8, 2, 384, 64, 3
-    document_ids = torch.cat([torch.zeros(200), torch.ones(184)]).long()[None].to(device)
-    q = torch.randn(batch, heads, length, dim, device=device, requires_grad=True)
-    keys = [torch.randn(batch, kv_heads, length, dim, device=device, requires_grad=True) for _ in range(steps)]
-    values = [torch.randn(batch, kv_heads, length, dim, device=device, requires_grad=True) for _ in range(steps)]
-    grad_out = torch.randn(batch, heads, length, dim, device=device)
-    results = []
-    for attend, mask in (
-        (ttt_attention_flex, document_block_mask(document_ids)),
-        (ttt_attention_eager, document_causal_mask(document_ids)),
-    ):
-        out = attend(q, keys, values, mask)
-        grads = torch.autograd.grad(out, [q, *keys, *values], grad_out)
-        results.append([out, *grads])
-    return max(float((a - b).norm() / b.norm()) for a, b in zip(*results, strict=True))
+    batch, length, steps = 2, 384, 4
+    first = torch.cat([torch.zeros(200), torch.ones(150), torch.full((34,), -1)])
+    document_ids = torch.stack([first, torch.full((length,), 2)]).long().to(device)
+
+    def tensors(heads_: int) -> list[torch.Tensor]:
+        shape = (batch, heads_, length, dim)
+        return [torch.randn(shape, device=device).bfloat16().requires_grad_() for _ in range(steps)]
+
+    queries, keys, values = tensors(heads), tensors(kv_heads), tensors(kv_heads)
+    grad_outs = [torch.randn(batch, heads, length, dim, device=device) for _ in range(steps)]
+    results, report = {}, {}
+    for backend in ("eager", "flex", "flash"):
+        try:
+            attend = TTTAttention.for_documents(document_ids, backend)
+            outputs = [attend(q, k, v).float() for q, k, v in zip(queries, keys, values, strict=True)]
+            loss = sum((out * g).sum() for out, g in zip(outputs, grad_outs, strict=True))
+            results[backend] = [*outputs, *torch.autograd.grad(loss, [*queries, *keys, *values])]
+        except Exception as exc:  # reported: the other backends still run
+            report[f"{backend}_vs_eager_rel_error"] = f"failed: {exc!r}"[:600]
+    for backend, got in results.items():
+        pairs = zip(got, results["eager"], strict=True)
+        error = max(float((a.detach().float() - b.float()).norm() / b.float().norm()) for a, b in pairs)
+        report[f"{backend}_vs_eager_rel_error"] = error
+    return report
+
+
+def time_attention(length: int, steps: int, heads: int = 32, kv_heads: int = 8, dim: int = 128) -> dict:
+    """ms of one unroll's attention alone (`steps` calls forward + backward, one document, bf16) per GPU
+    backend, and of one plain causal attention through SDPA's flash and cuDNN kernels (the kernels' speed)."""
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    device = torch.device("cuda")
+    document_ids = torch.zeros(1, length, dtype=torch.long, device=device)
+
+    def tensors(heads_: int) -> list[torch.Tensor]:
+        shape = (1, heads_, length, dim)
+        return [torch.randn(shape, device=device).bfloat16().requires_grad_() for _ in range(steps)]
+
+    queries, keys, values = tensors(heads), tensors(kv_heads), tensors(kv_heads)
+    starts = document_starts(document_ids)
+
+    def unroll(backend: str) -> None:
+        attend = TTTAttention.for_documents(document_ids, backend, starts)
+        outputs = [attend(q, k, v) for q, k, v in zip(queries, keys, values, strict=True)]
+        torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+
+    result = {"seq": length, "ttt": steps}
+    for backend in ("flex", "flash"):
+        try:
+            result[f"{backend}_unroll_ms"] = triton.testing.do_bench(lambda b=backend: unroll(b), warmup=5, rep=60)
+        except Exception as exc:  # reported: the other backend still runs
+            result[f"{backend}_unroll_ms"] = f"failed: {exc!r}"[:300]
+    group = heads // kv_heads
+    q, k, v = queries[0], keys[0].repeat_interleave(group, 1), values[0].repeat_interleave(group, 1)
+    for name, kernel in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+
+        def step(kernel=kernel) -> None:
+            with sdpa_kernel(kernel):
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(torch.ones_like(out))
+
+        try:
+            result[f"{name}_causal_ms"] = triton.testing.do_bench(step, warmup=5, rep=60)
+        except Exception as exc:
+            result[f"{name}_causal_ms"] = f"failed: {exc!r}"[:300]
+    flops = 4 * length * length / 2 * dim * heads * 3.5  # causal QK^T + PV, forward + backward (2.5x)
+    result["causal_fwd_bwd_tflop"] = flops / 1e12
+    return result
+
+
+def time_merge_kernels(rows: int = 2048, heads: int = 32, kv_heads: int = 8, dim: int = 128) -> dict:
+    """ms of the flash attention's diagonal-merge kernels (forward, backward) per warp count, at S = 3 and 6
+    chain entries (bf16), against the bytes they must move at 4.8 TB/s."""
+    import triton.testing
+
+    from eagle3_core.training.diagonal_triton import merge_diagonal_backward_triton, merge_diagonal_forward_triton
+
+    device = torch.device("cuda")
+    q, out0, d_out, dq = (torch.randn(rows, heads, dim, device=device).bfloat16() for _ in range(4))
+    lse0 = torch.randn(heads, rows, device=device)
+    result = {}
+    for steps in (3, 6):
+        keys, values = (torch.randn(steps, rows, kv_heads, dim, device=device).bfloat16() for _ in range(2))
+        out, lse = merge_diagonal_forward_triton(q, out0, lse0, keys, values)
+        for warps in (1, 2, 4, 8):
+            chain = (keys, values)
+            forward = triton.testing.do_bench(
+                lambda w=warps, c=chain: merge_diagonal_forward_triton(q, out0, lse0, *c, w), warmup=10, rep=100
+            )
+            saved = (keys, values, out, lse)
+            backward = triton.testing.do_bench(
+                lambda w=warps, s=saved: merge_diagonal_backward_triton(q, *s, d_out, dq, w), warmup=10, rep=100
+            )
+            result[f"S{steps}_warps{warps}_ms"] = {"forward": round(forward, 4), "backward": round(backward, 4)}
+        moved = (4 * q.numel() + 4 * keys.numel()) * 2  # backward: q, out, d_out, dq + keys, values, dk, dv
+        result[f"S{steps}_backward_floor_ms"] = moved / 4.8e12 * 1e3
+    return result
 
 
 def check_soft_ce_kernel(device: torch.device, rows: int = 4096, vocab: int = 32000) -> dict:
@@ -176,6 +257,7 @@ def build(
     plain_ddp: bool = False,
     loss_kernel: str = "triton",
     optimizer_name: str = "adamw",
+    attention: str = "auto",
 ):
     """The objective (wrapped in DDP when `group` spans several processes, the layer's projection gradients
     reduced early by `LayerGradientSync` as in training; `plain_ddp`: all gradients through DDP's buckets;
@@ -196,7 +278,7 @@ def build(
             eps=config.rms_norm_eps,
             d2t=draft.d2t,
         )
-    objective = TTTObjective(draft, ttt_steps, step_weight=0.8, attention="flex")
+    objective = TTTObjective(draft, ttt_steps, step_weight=0.8, attention=attention)
     if compiled:
         objective.compile(loss_kernel)
     if group is not None:
@@ -233,6 +315,7 @@ def random_batch(
         "document_ids": torch.zeros(1, length, dtype=torch.long, device=device),
     }
     batch["valid"], batch["scored"] = scored_rows(batch["loss_mask"], batch["document_ids"], ttt_steps)
+    batch["document_starts"] = document_starts(batch["document_ids"])
     return batch
 
 
@@ -258,6 +341,7 @@ def measure(
     loss_kernel: str = "triton",
     optimizer_name: str = "adamw",
     shape: str = "llama8b",
+    attention: str = "auto",
 ) -> dict:
     """ms/step and tokens/s of `iters` steps (two windows) for the draft of `shape` (SHAPES). Under DDP every
     rank trains its own sequences and tokens/s counts all ranks' tokens."""
@@ -267,7 +351,7 @@ def measure(
     config = draft_config(shape)
     start = time.monotonic()
     objective, head, params, optimizer = build(
-        config, ttt_steps, device, compiled, group, bf16_reduce, plain_ddp, loss_kernel, optimizer_name
+        config, ttt_steps, device, compiled, group, bf16_reduce, plain_ddp, loss_kernel, optimizer_name, attention
     )
     batches = [random_batch(config, length, ttt_steps, device, 3 * rank + seed) for seed in range(3)]
     for i in range(warmup):
@@ -292,6 +376,7 @@ def measure(
         "compiled": compiled,
         "loss_kernel": loss_kernel if compiled else "torch",
         "optimizer": optimizer_name,
+        "attention": getattr(objective, "module", objective).attention_backend(device),
         "gpus": world,
         "bf16_reduce": bf16_reduce,
         "plain_ddp": plain_ddp,
@@ -317,8 +402,8 @@ def kernel_class(name: str) -> str:
     lowered = name.lower()
     if "soft_ce" in lowered:
         return "soft-CE rows (hand-written triton)"
-    if "flex" in lowered or "triton_tem" in lowered:
-        return "flex attention"
+    if "flex" in lowered or "triton_tem" in lowered or "flash" in lowered:
+        return "attention kernels (flex or flash)"
     if any(key in lowered for key in ("gemm", "cutlass", "nvjet", "sm90_", "cublas", "xmma")):
         return "matrix products"
     if any(key in lowered for key in ("adam", "multi_tensor", "foreach")):
@@ -330,13 +415,17 @@ def kernel_class(name: str) -> str:
     return "other eager kernels (copies, casts, index, elementwise)"
 
 
-def profile_step(length: int, ttt_steps: int, optimizer_name: str = "adamw", rows: int = 40) -> dict:
+def profile_step(
+    length: int, ttt_steps: int, optimizer_name: str = "adamw", attention: str = "auto", rows: int = 40
+) -> dict:
     """Top kernels of one compiled step (after warm-up) and their time per class: where the time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device("cuda")
     config = draft_config()
-    objective, head, params, optimizer = build(config, ttt_steps, device, True, optimizer_name=optimizer_name)
+    objective, head, params, optimizer = build(
+        config, ttt_steps, device, True, optimizer_name=optimizer_name, attention=attention
+    )
     batch = random_batch(config, length, ttt_steps, device, 0)
     for _ in range(3):
         train_step(objective, head, params, optimizer, batch)
@@ -358,6 +447,7 @@ def profile_step(length: int, ttt_steps: int, optimizer_name: str = "adamw", row
         "seq": length,
         "ttt": ttt_steps,
         "optimizer": optimizer_name,
+        "attention": attention,
         "step_ms_profiled": begin.elapsed_time(end),
         "kernel_ms_by_class": {k: round(v, 2) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])},
         "kernel_ms_total": round(sum(classes.values()), 2),
@@ -425,6 +515,7 @@ def main() -> None:
     parser.add_argument("--optimizers", default="adamw", help="Comma-separated: adamw, muon (one-GPU runs).")
     parser.add_argument("--profile-optimizer", default="adamw", choices=["adamw", "muon"], help="Of the profiles.")
     parser.add_argument("--loss-kernel", default="triton", choices=["triton", "inductor"], help="--ddp: soft-CE rows.")
+    parser.add_argument("--attentions", default="auto", help="Comma-separated TTT attentions: auto, flash, flex.")
     parser.add_argument("--shape", default="llama8b", choices=sorted(SHAPES), help="Draft shape of the one-GPU runs.")
     args = parser.parse_args()
     if args.ddp:
@@ -433,8 +524,15 @@ def main() -> None:
     start = time.monotonic()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "runs": []}
-    report["flex_vs_eager_rel_error"] = check_flex_attention(torch.device("cuda"))
-    print(f"flex TTT attention vs eager (output and grads), max rel error: {report['flex_vs_eager_rel_error']:.2e}")
+    report["attention_errors"] = check_attention(torch.device("cuda"))
+    report["attention_errors_kimi_heads"] = check_attention(torch.device("cuda"), 8, 8, 112)  # G = 1, D = 112
+    for name in ("attention_errors", "attention_errors_kimi_heads"):
+        print(f"TTT attention vs eager (output and grads, bf16 inputs), {name}: {json.dumps(report[name])}")
+    report["merge_kernels"] = time_merge_kernels()
+    print(f"diagonal-merge kernels: {json.dumps(report['merge_kernels'])}", flush=True)
+    report["attention_ms"] = [time_attention(length, ttt) for length, ttt in ((2048, 7), (4096, 3))]
+    for timing in report["attention_ms"]:
+        print(f"attention alone: {json.dumps(timing)}", flush=True)
     try:
         report["soft_ce_kernel"] = check_soft_ce_kernel(torch.device("cuda"))
         print(f"soft-CE rows, Triton kernel vs torch reference and timing: {json.dumps(report['soft_ce_kernel'])}")
@@ -445,12 +543,16 @@ def main() -> None:
         print(f"Muon step on the draft's matrices, ours vs torch.optim.Muon: {json.dumps(report['muon_step'])}")
         report["gram_newton_schulz"] = check_gram_newton_schulz(torch.device("cuda"))
         print(f"Newton-Schulz through the Gram matrix: {json.dumps(report['gram_newton_schulz'])}")
+    attentions = args.attentions.split(",")
     plan: list[tuple] = [
-        (s, t, True, "triton", o) for o in args.optimizers.split(",") for s, t in ((2048, 7), (4096, 3))
+        (s, t, True, "triton", o, a)
+        for o in args.optimizers.split(",")
+        for a in attentions
+        for s, t in ((2048, 7), (4096, 3))
     ]
-    plan += [(2048, 7, True, "inductor", "adamw"), (4096, 3, True, "inductor", "adamw")] if args.inductor_loss else []
+    plan += [(s, t, True, "inductor", "adamw", "auto") for s, t in ((2048, 7), (4096, 3)) if args.inductor_loss]
     plan += [] if args.no_profile else [(2048, 7, args.profile_optimizer), (4096, 3, args.profile_optimizer)]
-    plan += [(2048, 7, False, "torch", "adamw"), (4096, 3, False, "torch", "adamw")] if args.eager else []
+    plan += [(s, t, False, "torch", "adamw", "auto") for s, t in ((2048, 7), (4096, 3)) if args.eager]
     for entry in plan:
         if time.monotonic() - start > args.budget_s:
             print(f"skipped {entry}: time budget", flush=True)
@@ -463,8 +565,9 @@ def main() -> None:
                 print(profiled["table"], flush=True)
             else:
                 result = measure(
-                    *entry[:3], 3, args.iters, loss_kernel=entry[3], optimizer_name=entry[4], shape=args.shape
-                )
+                    *entry[:3], 3, args.iters, loss_kernel=entry[3], optimizer_name=entry[4], shape=args.shape,
+                    attention=entry[5],
+                )  # fmt: skip
                 report["runs"].append(result)
                 print(json.dumps(result), flush=True)
         except Exception:  # a failed variant is reported; the others still run
@@ -474,10 +577,11 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)
     print(f"\n1 x {report['device']}, torch {torch.__version__}; baseline speculators 0.9.0 AdamW (ANCHORS.md)")
-    print("seq  ttt compiled loss     optimizer ms/step   tok/s   peak GiB  speculators  ratio (goal 1.5)")
+    print("seq  ttt compiled loss     optimizer attention ms/step   tok/s   peak GiB  speculators  ratio (goal 1.5)")
     for r in report["runs"]:
         print(
             f"{r['seq']:>4} {r['ttt']:>4} {r['compiled']!s:>8} {r['loss_kernel']:<8} {r['optimizer']:<6}"
+            f" {r['attention']:<6}"
             f" {r['ms_per_step']:8.1f}"
             f" {r['tokens_per_s']:8,.0f}"
             f" {r['peak_gib']:9.1f} {r.get('speculators_tokens_per_s', 0):>11,} {r.get('ratio', 0):6.2f}"

@@ -228,8 +228,10 @@ class TrainingConfig(Section):
     seed: int = Field(0, description="Seed of initialisation, data order and dropout.")
     device: str = Field("auto", description="Torch device: auto, cpu, cuda.")
     warm_start: str | None = Field(None, description="Draft checkpoint folder to start from (None: fresh).")
-    attention: Literal["auto", "flex", "eager"] = Field(
-        "auto", description="TTT attention: flex_attention (GPU), eager explicit scores (any device), auto."
+    attention: Literal["auto", "flash", "flex", "eager"] = Field(
+        "auto",
+        description="TTT attention: flash (FlashAttention-2, GPU, Llama draft), flex_attention (GPU), eager "
+        "(any device); auto = flash, flex for the MLA draft, eager on a CPU.",
     )
     sharding: Literal["ddp", "fsdp2"] = Field(
         "ddp", description="Under torchrun: DDP (replicated draft) or FSDP2 (sharded, for large drafts)."

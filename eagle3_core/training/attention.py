@@ -4,8 +4,10 @@ At TTT step k the query at index i (the chain that starts after position i, now 
 the step-0 entries j <= i of its own document (states from the target), and its own chain's entries, i.e.
 index i of steps 1..k (states from the draft). That is what a chain sees in vLLM at decoding time.
 
-Two implementations of the same function:
-- `flex` (GPU): flex_attention over the step-0 keys with ONE document-causal block mask per batch,
+Three implementations of the same function:
+- `flash` (GPU, values as wide as keys): FlashAttention-2 over the step-0 keys of the packed documents and
+  the diagonal in closed form, one softmax over their union (`flash_ttt.py`: why its backward is exact).
+- `flex` (GPU, any head dims): flex_attention over the step-0 keys with ONE document-causal block mask per batch,
   returning the log-sum-exp, merged with the k diagonal scores in closed form. The block mask is built
   once per batch and reused by every step; no [T, T] mask or score matrix is materialised.
 - `eager` (any device; the CPU path, since flex_attention has no CPU backward): explicit scores with a
@@ -17,6 +19,8 @@ from __future__ import annotations
 from functools import cache
 
 import torch
+
+from eagle3_core.training.flash_ttt import FlashKernel, UnionAttention, document_spans
 
 Mask = torch.Tensor
 
@@ -137,14 +141,19 @@ class TTTAttention:
         self.values: list[torch.Tensor] = []
 
     @classmethod
-    def for_documents(cls, document_ids: torch.Tensor, backend: str = "auto") -> TTTAttention:
+    def for_documents(
+        cls, document_ids: torch.Tensor, backend: str = "auto", starts: torch.Tensor | None = None
+    ) -> TTTAttention | UnionAttention:
+        """`starts` (flash): the batch's `document_starts` when the loader made them (else one host sync)."""
         if backend == "auto":
             backend = "flex" if document_ids.is_cuda else "eager"
+        if backend == "flash":
+            return UnionAttention(document_spans(document_ids, starts), FlashKernel())
         if backend == "flex":
             return cls(document_block_mask(document_ids), backend)
         if backend == "eager":
             return cls(document_causal_mask(document_ids), backend)
-        raise ValueError(f"unknown attention backend {backend!r}: flex, eager or auto")
+        raise ValueError(f"unknown attention backend {backend!r}: flash, flex, eager or auto")
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.keys.append(k)

@@ -29,6 +29,7 @@ from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ig
 from eagle3_core.sampling.table import is_heldout
 from eagle3_core.training.curves import TrainingCurves
 from eagle3_core.training.distributed import Group, all_reduce_sum, barrier, wrap
+from eagle3_core.training.flash_ttt import document_starts
 from eagle3_core.training.loss import (
     TargetHead,
     TTTObjective,
@@ -98,7 +99,7 @@ def collate_host(
     """Stack packed sequences into host tensors [B, T, ...] (T rounded up to `pad_multiple`; pinned with
     `pin`); padding is its own document (id -1) with loss_mask 0 (and fp8 scale 0), so it is never scored
     and never seen by real tokens. States stay in the items' dtype. With `ttt_steps`, also the scored rows
-    of every step (`valid`, `scored`: `scored_rows`)."""
+    of every step (`valid`, `scored`: `scored_rows`) and the documents' `document_starts` (flash attention)."""
     length = max(len(item["input_ids"]) for item in items)
     length = math.ceil(length / pad_multiple) * pad_multiple
     batch = {}
@@ -110,7 +111,10 @@ def collate_host(
         batch[name] = stacked  # [B, T, ...]
     if ttt_steps is not None:
         valid, scored = scored_rows(batch["loss_mask"], batch["document_ids"], ttt_steps)  # [K, B, T], [N, 3]
-        batch["valid"], batch["scored"] = (t.pin_memory() if pin else t for t in (valid, scored))
+        starts = document_starts(batch["document_ids"])  # [n + 1]
+        batch["valid"], batch["scored"], batch["document_starts"] = (
+            t.pin_memory() if pin else t for t in (valid, scored, starts)
+        )
     return batch
 
 

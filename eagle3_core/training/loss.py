@@ -245,6 +245,15 @@ class TTTObjective(nn.Module):
         self.draft.compile_blocks()
         self.rows_fn = triton_rows_fn() if loss_kernel == "triton" else compiled_rows_fn()
 
+    def attention_backend(self, device: torch.device) -> str:
+        """`attention`, with auto resolved: eager on a CPU; on a GPU flash, or flex for the MLA draft (its
+        values are narrower than its keys, which FlashAttention-2 does not take)."""
+        if self.attention != "auto":
+            return self.attention
+        if device.type != "cuda":
+            return "eager"
+        return "flex" if self.draft.config.architecture == "deepseek_mla" else "flash"
+
     def step_weights(self, steps: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """[K] step_weight**k, made once per device (a tensor built from a list is a host-synchronous copy)."""
         key = (steps, device, dtype)
@@ -255,7 +264,9 @@ class TTTObjective(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor], head: TargetHead, exact_top1: bool = False):
         """batch: `collate`'s tensors, with `valid` / `scored` (`scored_rows`) when the loader made them."""
-        attend = TTTAttention.for_documents(batch["document_ids"], self.attention)
+        attend = TTTAttention.for_documents(
+            batch["document_ids"], self.attention_backend(batch["document_ids"].device), batch.get("document_starts")
+        )
         states = self.draft(
             batch["aux"],
             batch["input_ids"],
