@@ -144,7 +144,8 @@ class TTTAttention:
     def for_documents(
         cls, document_ids: torch.Tensor, backend: str = "auto", starts: torch.Tensor | None = None
     ) -> TTTAttention | UnionAttention:
-        """`starts` (flash): the batch's `document_starts` when the loader made them (else one host sync)."""
+        """`starts` (flash): the batch's `document_starts` when the loader made them (else one host sync).
+        `auto` here is flex on a GPU (any head dims); `TTTObjective.attention_backend` picks flash for Llama."""
         if backend == "auto":
             backend = "flex" if document_ids.is_cuda else "eager"
         if backend == "flash":
