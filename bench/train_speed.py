@@ -258,6 +258,7 @@ def build(
     loss_kernel: str = "triton",
     optimizer_name: str = "adamw",
     attention: str = "auto",
+    defer: bool = True,
 ):
     """The objective (wrapped in DDP when `group` spans several processes, the layer's projection gradients
     reduced early by `LayerGradientSync` as in training; `plain_ddp`: all gradients through DDP's buckets;
@@ -278,6 +279,7 @@ def build(
             eps=config.rms_norm_eps,
             d2t=draft.d2t,
         )
+    draft.defer_weight_gradients = defer
     objective = TTTObjective(draft, ttt_steps, step_weight=0.8, attention=attention)
     if compiled:
         objective.compile(loss_kernel)
@@ -342,6 +344,7 @@ def measure(
     optimizer_name: str = "adamw",
     shape: str = "llama8b",
     attention: str = "auto",
+    defer: bool = True,
 ) -> dict:
     """ms/step and tokens/s of `iters` steps (two windows) for the draft of `shape` (SHAPES). Under DDP every
     rank trains its own sequences and tokens/s counts all ranks' tokens."""
@@ -351,8 +354,9 @@ def measure(
     config = draft_config(shape)
     start = time.monotonic()
     objective, head, params, optimizer = build(
-        config, ttt_steps, device, compiled, group, bf16_reduce, plain_ddp, loss_kernel, optimizer_name, attention
-    )
+        config, ttt_steps, device, compiled, group, bf16_reduce, plain_ddp, loss_kernel, optimizer_name, attention,
+        defer,
+    )  # fmt: skip
     batches = [random_batch(config, length, ttt_steps, device, 3 * rank + seed) for seed in range(3)]
     for i in range(warmup):
         loss = train_step(objective, head, params, optimizer, batches[i % 3])
@@ -377,6 +381,7 @@ def measure(
         "loss_kernel": loss_kernel if compiled else "torch",
         "optimizer": optimizer_name,
         "attention": getattr(objective, "module", objective).attention_backend(device),
+        "deferred_weight_grads": defer,
         "gpus": world,
         "bf16_reduce": bf16_reduce,
         "plain_ddp": plain_ddp,
@@ -515,6 +520,7 @@ def main() -> None:
     parser.add_argument("--optimizers", default="adamw", help="Comma-separated: adamw, muon (one-GPU runs).")
     parser.add_argument("--profile-optimizer", default="adamw", choices=["adamw", "muon"], help="Of the profiles.")
     parser.add_argument("--loss-kernel", default="triton", choices=["triton", "inductor"], help="--ddp: soft-CE rows.")
+    parser.add_argument("--no-defer", action="store_true", help="Also time autograd's sum of the step gradients.")
     parser.add_argument("--attentions", default="auto", help="Comma-separated TTT attentions: auto, flash, flex.")
     parser.add_argument("--shape", default="llama8b", choices=sorted(SHAPES), help="Draft shape of the one-GPU runs.")
     args = parser.parse_args()
@@ -551,6 +557,7 @@ def main() -> None:
         for s, t in ((2048, 7), (4096, 3))
     ]
     plan += [(s, t, True, "inductor", "adamw", "auto") for s, t in ((2048, 7), (4096, 3)) if args.inductor_loss]
+    plan += [(s, t, True, "triton", "adamw", "auto", False) for s, t in ((2048, 7), (4096, 3)) if args.no_defer]
     plan += [] if args.no_profile else [(2048, 7, args.profile_optimizer), (4096, 3, args.profile_optimizer)]
     plan += [(s, t, False, "torch", "adamw", "auto") for s, t in ((2048, 7), (4096, 3)) if args.eager]
     for entry in plan:
@@ -566,7 +573,7 @@ def main() -> None:
             else:
                 result = measure(
                     *entry[:3], 3, args.iters, loss_kernel=entry[3], optimizer_name=entry[4], shape=args.shape,
-                    attention=entry[5],
+                    attention=entry[5], defer=entry[6] if len(entry) > 6 else True,
                 )  # fmt: skip
                 report["runs"].append(result)
                 print(json.dumps(result), flush=True)
@@ -577,11 +584,11 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)
     print(f"\n1 x {report['device']}, torch {torch.__version__}; baseline speculators 0.9.0 AdamW (ANCHORS.md)")
-    print("seq  ttt compiled loss     optimizer attention ms/step   tok/s   peak GiB  speculators  ratio (goal 1.5)")
+    print("seq  ttt compiled loss   optimizer attention wgrad-sum ms/step  tok/s  peak GiB  speculators  ratio (1.5)")
     for r in report["runs"]:
         print(
             f"{r['seq']:>4} {r['ttt']:>4} {r['compiled']!s:>8} {r['loss_kernel']:<8} {r['optimizer']:<6}"
-            f" {r['attention']:<6}"
+            f" {r['attention']:<6} {'deferred' if r['deferred_weight_grads'] else 'autograd':<8}"
             f" {r['ms_per_step']:8.1f}"
             f" {r['tokens_per_s']:8,.0f}"
             f" {r['peak_gib']:9.1f} {r.get('speculators_tokens_per_s', 0):>11,} {r.get('ratio', 0):6.2f}"

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3_core.draft.deferred_grad import defer_gradients, project
+
 Weights = dict[str, torch.Tensor]
 """Projection matrices of the draft layer in the compute dtype, fused for fewer, larger matrix products:
 `qkv_embed` / `qkv_hidden` [Nqkv, H] (the rows of the attention's first projection over the embedding /
@@ -249,9 +251,9 @@ class MLADraftAttention(nn.Module):
         q_width = self.q_lora_rank or self.heads * self.head_dim
         q, latent, k_rope = qkv.split([q_width, self.kv_lora_rank, self.rope], dim=-1)
         if self.q_lora_rank:
-            q = F.linear(self.q_a_layernorm(q).to(qkv.dtype), weights["q_b_proj"])  # [B, T, Hq*(nope+rope)]
+            q = project(self.q_a_layernorm(q).to(qkv.dtype), weights, "q_b_proj")  # [B, T, Hq*(nope+rope)]
         q = q.view(batch, length, self.heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, nope + rope]
-        kv = F.linear(self.kv_a_layernorm(latent).to(qkv.dtype), weights["kv_b_proj"])  # [B, T, Hq*(nope+Dv)]
+        kv = project(self.kv_a_layernorm(latent).to(qkv.dtype), weights, "kv_b_proj")  # [B, T, Hq*(nope+Dv)]
         k_nope, v = kv.view(batch, length, self.heads, -1).transpose(1, 2).split([self.nope, self.v_dim], dim=-1)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         q = torch.cat([q_nope, apply_rotary_interleaved(q_rope, positions, self.rope_theta)], dim=-1)
@@ -271,8 +273,8 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:
-        gate, up = F.linear(x, weights["gate_up"]).chunk(2, dim=-1)  # [B, T, I] each
-        return F.linear(F.silu(gate) * up, weights["down_proj"])
+        gate, up = project(x, weights, "gate_up").chunk(2, dim=-1)  # [B, T, I] each
+        return project(F.silu(gate) * up, weights, "down_proj")
 
 
 class DraftLayer(nn.Module):
@@ -294,8 +296,8 @@ class DraftLayer(nn.Module):
     def projection_weights(self, dtype: torch.dtype) -> Weights:
         """The layer's projection matrices in the compute dtype (see `Weights`), cast ONCE per
         train-time-test unroll and shared by its steps. (Cast inside each compiled step instead, every step
-        would pay a cast forward and an fp32 cast + accumulate of its weight gradient backward; shared,
-        autograd sums the steps' bf16 gradients once, as autocast's own weight cache does in eager mode.)
+        would pay a cast forward and an fp32 cast + accumulate of its weight gradient backward; shared, the
+        steps' bf16 gradients are summed once per unroll, as autocast's own weight cache does in eager mode.)
         With `gradient_sync` set (DDP training) the casts are handed to it outside autograd."""
         if self.gradient_sync is None or not torch.is_grad_enabled():
             return self.cast_weights(dtype)
@@ -343,7 +345,7 @@ class DraftLayer(nn.Module):
         batch, length, _ = hidden.shape
         x = self.hidden_norm(hidden).to(weights["qkv_hidden"].dtype).reshape(batch * length, -1)  # [B*T, H]
         base = embed_proj.reshape(batch * length, -1)
-        qkv = torch.addmm(base, x, weights["qkv_hidden"].t()).view(batch, length, -1)  # [B, T, Nqkv]
+        qkv = project(x, weights, "qkv_hidden", base).view(batch, length, -1)  # [B, T, Nqkv]
         return self.self_attn.split_heads(qkv, positions, weights)
 
     def finish(self, hidden: torch.Tensor, attended: torch.Tensor, weights: Weights) -> torch.Tensor:
@@ -351,7 +353,7 @@ class DraftLayer(nn.Module):
         output [B, T, H]."""
         batch, heads, length, dim = attended.shape
         merged = attended.to(weights["o_proj"].dtype).transpose(1, 2).reshape(batch, length, heads * dim)
-        hidden = hidden + F.linear(merged, weights["o_proj"])
+        hidden = hidden + project(merged, weights, "o_proj")
         return hidden + self.mlp(self.post_attention_layernorm(hidden).to(weights["gate_up"].dtype), weights)
 
     def forward(
@@ -419,6 +421,9 @@ class Eagle3Draft(nn.Module):
         )
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        # Training: each projection matrix's K step gradients summed inside the GEMMs (`deferred_grad.py`);
+        # off, autograd sums them (the same function; the benchmark times both).
+        self.defer_weight_gradients = True
 
     # ---- building blocks -------------------------------------------------------------------------------
     def combine_aux(self, aux: torch.Tensor) -> torch.Tensor:
@@ -483,6 +488,8 @@ class Eagle3Draft(nn.Module):
         embeds = self.embed(F.pad(input_ids, (0, ttt_steps)))  # [B, T + K, H]
         hidden = self.combine_aux(aux)  # [B, T, H]
         weights = self.midlayer.projection_weights(compute_dtype(self.fc.weight))
+        if self.defer_weight_gradients and torch.is_grad_enabled():
+            hidden, weights = defer_gradients(hidden, weights, once=("qkv_embed",))
         embed_proj = self.midlayer.embed_projection(embeds, weights)  # [B, T + K, Nqkv], shared by the steps
         states = []
         for step in range(ttt_steps):  # step 0: target states; step k > 0: the draft's own step k-1 output

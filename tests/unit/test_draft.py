@@ -215,3 +215,26 @@ def test_warm_start_from_a_draft_of_another_shape_is_refused():
     other = Eagle3Draft(DraftConfig(**{**tiny_config().to_json(), "intermediate_size": 48})).double()
     with pytest.raises(ValueError, match=r"warm start other: tensor midlayer\.mlp"):
         warm_start(tiny_draft(), other, "other")
+
+
+@pytest.mark.parametrize("architecture", ["llama", "deepseek_mla"])
+def test_deferred_weight_gradients_equal_autograds_sum_over_the_steps(architecture: str) -> None:
+    """A training unroll sums each projection matrix's TTT-step gradients inside the GEMMs (`deferred_grad`);
+    every parameter's gradient equals autograd's own sum over the steps, and validation (no grad) is plain."""
+    from tests.unit.test_mla_draft import mla_config
+
+    config = tiny_config() if architecture == "llama" else mla_config()
+    draft = seeded_draft(config).double()
+    aux, input_ids, position_ids, document_ids = random_batch(draft, [5, 4])
+    grads = []
+    for defer in (True, False):
+        draft.defer_weight_gradients = defer
+        states = unroll(draft, aux, input_ids, position_ids, document_ids, ttt_steps=4)
+        loss = sum((draft.compute_logits(state).logsumexp(-1) * (k + 1)).sum() for k, state in enumerate(states))
+        params = [p for p in draft.parameters() if p.requires_grad]
+        grads.append(torch.autograd.grad(loss, params))
+    for deferred, summed in zip(*grads, strict=True):
+        torch.testing.assert_close(deferred, summed, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        draft.defer_weight_gradients = True
+        assert len(unroll(draft, aux, input_ids, position_ids, document_ids, ttt_steps=2)) == 2
