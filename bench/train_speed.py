@@ -54,6 +54,11 @@ def draft_config(shape: str = "llama8b") -> DraftConfig:
     return DraftConfig(draft_vocab_size=32000, rms_norm_eps=1e-5, **SHAPES[shape])
 
 
+def step_tensors(shape: tuple[int, ...], steps: int, device: torch.device) -> list[torch.Tensor]:
+    """One random bf16 leaf of `shape` ([B, heads, T, D]) per TTT step: an unroll's q, k or v."""
+    return [torch.randn(shape, device=device).bfloat16().requires_grad_() for _ in range(steps)]
+
+
 def check_attention(device: torch.device, heads: int = 8, kv_heads: int = 2, dim: int = 128) -> dict:
     """Relative error of the GPU TTT attentions (flex, flash) against the eager path, output and
     gradients, on the same bf16 inputs (two rows: two documents and padding, one document; grouped-query
@@ -63,11 +68,7 @@ def check_attention(device: torch.device, heads: int = 8, kv_heads: int = 2, dim
     first = torch.cat([torch.zeros(200), torch.ones(150), torch.full((34,), -1)])
     document_ids = torch.stack([first, torch.full((length,), 2)]).long().to(device)
 
-    def tensors(heads_: int) -> list[torch.Tensor]:
-        shape = (batch, heads_, length, dim)
-        return [torch.randn(shape, device=device).bfloat16().requires_grad_() for _ in range(steps)]
-
-    queries, keys, values = tensors(heads), tensors(kv_heads), tensors(kv_heads)
+    queries, keys, values = (step_tensors((batch, n, length, dim), steps, device) for n in (heads, kv_heads, kv_heads))
     grad_outs = [torch.randn(batch, heads, length, dim, device=device) for _ in range(steps)]
     results, report = {}, {}
     for backend in ("eager", "flex", "flash"):
@@ -80,7 +81,8 @@ def check_attention(device: torch.device, heads: int = 8, kv_heads: int = 2, dim
             report[f"{backend}_vs_eager_rel_error"] = f"failed: {exc!r}"[:600]
     for backend, got in results.items():
         pairs = zip(got, results["eager"], strict=True)
-        error = max(float((a.detach().float() - b.float()).norm() / b.float().norm()) for a, b in pairs)
+        differences = ((a.detach().float(), b.detach().float()) for a, b in pairs)
+        error = max(float((a - b).norm() / b.norm()) for a, b in differences)
         report[f"{backend}_vs_eager_rel_error"] = error
     return report
 
@@ -94,11 +96,7 @@ def time_attention(length: int, steps: int, heads: int = 32, kv_heads: int = 8, 
     device = torch.device("cuda")
     document_ids = torch.zeros(1, length, dtype=torch.long, device=device)
 
-    def tensors(heads_: int) -> list[torch.Tensor]:
-        shape = (1, heads_, length, dim)
-        return [torch.randn(shape, device=device).bfloat16().requires_grad_() for _ in range(steps)]
-
-    queries, keys, values = tensors(heads), tensors(kv_heads), tensors(kv_heads)
+    queries, keys, values = (step_tensors((1, n, length, dim), steps, device) for n in (heads, kv_heads, kv_heads))
     starts = document_starts(document_ids)
 
     def unroll(backend: str) -> None:

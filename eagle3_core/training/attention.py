@@ -20,7 +20,7 @@ from functools import cache
 
 import torch
 
-from eagle3_core.training.flash_ttt import FlashKernel, UnionAttention, document_spans
+from eagle3_core.training.flash_ttt import FlashKernel, UnionAttention, document_spans, merge_diagonal_forward
 
 Mask = torch.Tensor
 
@@ -94,16 +94,16 @@ def merge_diagonal(
 ) -> torch.Tensor:
     """Merge attention over step-0 entries (out0 [B, Hq, T, Dv], log-sum-exp lse0 [B, Hq, T]) with each
     query's own chain entries keys [S, B, Hkv, T, D] / values [S, B, Hkv, T, Dv] (steps 1..S):
-    out = (e^lse0 * out0 + sum_j e^s_j * v_j) / (e^lse0 + sum_j e^s_j), computed stably in fp32."""
-    batch, heads, length, dim = q.shape
-    steps, kv_heads = keys.shape[0], keys.shape[2]
-    grouped = q.view(batch, kv_heads, heads // kv_heads, length, dim).float()  # [B, Hkv, G, T, D]
-    scores = (grouped[None] * keys[:, :, :, None].float()).sum(-1) * dim**-0.5  # [S, B, Hkv, G, T]
-    scores = torch.cat([lse0.float()[None], scores.reshape(steps, batch, heads, length)])  # [1 + S, B, Hq, T]
-    weights = torch.softmax(scores, dim=0)
-    diagonal = weights[1:].view(steps, batch, kv_heads, heads // kv_heads, length, 1) * values[:, :, :, None].float()
-    out = weights[0, ..., None] * out0.float() + diagonal.sum(0).view(batch, heads, length, -1)
-    return out.to(q.dtype)
+    out = (e^lse0 * out0 + sum_j e^s_j * v_j) / (e^lse0 + sum_j e^s_j), computed stably in fp32 by the flash
+    path's `merge_diagonal_forward` on rows flattened to [B*T, heads, D]."""
+    batch, heads, length, _ = q.shape
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # [..., B, H, T, D] -> [..., B*T, H, D]
+        return x.transpose(-3, -2).flatten(-4, -3)
+
+    flat_lse = lse0.transpose(0, 1).reshape(heads, batch * length)  # [Hq, B*T]
+    out, _ = merge_diagonal_forward(rows(q), rows(out0), flat_lse, rows(keys), rows(values))  # [B*T, Hq, Dv]
+    return out.view(batch, length, heads, -1).transpose(1, 2)
 
 
 @cache

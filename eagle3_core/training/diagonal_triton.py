@@ -23,6 +23,29 @@ WARPS = 1
 
 
 @triton.jit
+def _program_tile(GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's (row, kv head), its G query heads, and their [G, D] tile's offsets into [N, Hq, D]."""
+    row = tl.program_id(0).to(tl.int64)
+    kv = tl.program_id(1)
+    g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+    g_ok = g < GROUP
+    head = kv * GROUP + g  # [G]
+    offsets = (row * tl.num_programs(1) * GROUP + head)[:, None] * DIM + d[None, :]  # [G, D]
+    return row, kv, head, offsets, g_ok[:, None] & (d < DIM)[None, :], g_ok
+
+
+@triton.jit
+def _chain_entry(keys_ptr, values_ptr, s, rows, row, kv, DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Chain entry s of this program's (row, kv head): its offsets into [S, N, Hkv, D], lanes, k and v [D] fp32."""
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < DIM
+    entry = ((s * rows + row) * tl.num_programs(1) + kv) * DIM + d  # [D]
+    k = tl.load(keys_ptr + entry, mask=d_ok, other=0.0).to(tl.float32)
+    v = tl.load(values_ptr + entry, mask=d_ok, other=0.0).to(tl.float32)
+    return entry, d_ok, k, v
+
+
+@triton.jit
 def _merge_forward_kernel(
     q_ptr,  # [N, Hq, D]
     out0_ptr,  # [N, Hq, D] attention over the step-0 keys
@@ -39,22 +62,13 @@ def _merge_forward_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    kv = tl.program_id(1)
-    kv_heads = tl.num_programs(1)
-    g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
-    g_ok, d_ok = g < GROUP, d < DIM
-    head = kv * GROUP + g  # [G]
-    offsets = (row * kv_heads * GROUP + head)[:, None] * DIM + d[None, :]  # [G, D] into [N, Hq, D]
-    mask = g_ok[:, None] & d_ok[None, :]
+    row, kv, head, offsets, mask, g_ok = _program_tile(GROUP, DIM, BLOCK_G, BLOCK_D)
     q = tl.load(q_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     acc = tl.load(out0_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     top = tl.load(lse0_ptr + head * rows + row, mask=g_ok, other=0.0)  # [G] running max
     total = tl.full([BLOCK_G], 1.0, tl.float32)  # sum of e^(score - top); out0 weighs e^(lse0 - top)
     for s in range(steps):
-        entry = ((s * rows + row) * kv_heads + kv) * DIM + d  # [D]
-        k = tl.load(keys_ptr + entry, mask=d_ok, other=0.0).to(tl.float32)
-        v = tl.load(values_ptr + entry, mask=d_ok, other=0.0).to(tl.float32)
+        _, _, k, v = _chain_entry(keys_ptr, values_ptr, s, rows, row, kv, DIM, BLOCK_D)
         score = tl.sum(q * k[None, :], 1) * scale  # [G]
         new_top = tl.maximum(top, score)
         rescale, weight = tl.exp(top - new_top), tl.exp(score - new_top)
@@ -84,23 +98,14 @@ def _merge_backward_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    kv = tl.program_id(1)
-    kv_heads = tl.num_programs(1)
-    g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
-    g_ok, d_ok = g < GROUP, d < DIM
-    head = kv * GROUP + g
-    offsets = (row * kv_heads * GROUP + head)[:, None] * DIM + d[None, :]
-    mask = g_ok[:, None] & d_ok[None, :]
+    row, kv, head, offsets, mask, g_ok = _program_tile(GROUP, DIM, BLOCK_G, BLOCK_D)
     q = tl.load(q_ptr + offsets, mask=mask, other=0.0).to(tl.float32)  # [G, D]
     d_out = tl.load(d_out_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(d_out * tl.load(out_ptr + offsets, mask=mask, other=0.0).to(tl.float32), 1)  # [G]
     lse = tl.load(lse_ptr + head * rows + row, mask=g_ok, other=0.0)
     dq = tl.load(dq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     for s in range(steps):
-        entry = ((s * rows + row) * kv_heads + kv) * DIM + d
-        k = tl.load(keys_ptr + entry, mask=d_ok, other=0.0).to(tl.float32)
-        v = tl.load(values_ptr + entry, mask=d_ok, other=0.0).to(tl.float32)
+        entry, d_ok, k, v = _chain_entry(keys_ptr, values_ptr, s, rows, row, kv, DIM, BLOCK_D)
         p = tl.exp(tl.sum(q * k[None, :], 1) * scale - lse)  # [G]; masked heads: d_out = 0 zeroes them
         d_score = p * (tl.sum(d_out * v[None, :], 1) - delta) * scale  # [G]
         dq += d_score[:, None] * k[None, :]
@@ -110,9 +115,13 @@ def _merge_backward_kernel(
 
 
 def _launch_shape(q: torch.Tensor, keys: torch.Tensor) -> tuple[tuple[int, int], dict]:
+    """Grid (one program per row and kv head) and the kernels' shape arguments."""
     rows, heads, dim = q.shape
     kv_heads = keys.shape[2]
     meta = {
+        "rows": rows,
+        "steps": keys.shape[0],
+        "scale": dim**-0.5,
         "GROUP": heads // kv_heads,
         "DIM": dim,
         "BLOCK_G": triton.next_power_of_2(heads // kv_heads),
@@ -127,10 +136,7 @@ def merge_diagonal_forward_triton(q, out0, lse0, keys, values, num_warps: int = 
     q, out0, lse0, keys, values = (t.contiguous() for t in (q, out0, lse0.float(), keys, values))
     out, lse = torch.empty_like(q), torch.empty_like(lse0)
     grid, meta = _launch_shape(q, keys)
-    scale = q.shape[2] ** -0.5
-    _merge_forward_kernel[grid](
-        q, out0, lse0, keys, values, out, lse, q.shape[0], keys.shape[0], scale, **meta, num_warps=num_warps
-    )
+    _merge_forward_kernel[grid](q, out0, lse0, keys, values, out, lse, **meta, num_warps=num_warps)
     return out, lse
 
 
@@ -142,9 +148,5 @@ def merge_diagonal_backward_triton(
     dq = dq_causal.to(q.dtype).contiguous()  # the causal kernel's fresh output, completed in place
     d_keys, d_values = torch.empty_like(keys), torch.empty_like(values)
     grid, meta = _launch_shape(q, keys)
-    scale = q.shape[2] ** -0.5
-    _merge_backward_kernel[grid](
-        q, keys, values, out, lse, d_out, dq, d_keys, d_values, q.shape[0], keys.shape[0], scale, **meta,
-        num_warps=num_warps,
-    )  # fmt: skip
+    _merge_backward_kernel[grid](q, keys, values, out, lse, d_out, dq, d_keys, d_values, **meta, num_warps=num_warps)
     return dq, d_keys, d_values
