@@ -263,6 +263,12 @@ class EvaluationConfig(Section):
     max_new_tokens: int = Field(128, ge=1, description="Tokens generated per prompt.")
     with_vllm: bool = Field(True, description="Also measure acceptance inside vLLM (where it is installed).")
     concurrency: int = Field(4, ge=1, description="Concurrent requests of the vLLM throughput measurement.")
+    near_tie_logit_gap: float = Field(
+        0.05,
+        ge=0,
+        description="(b): a draft output that first departs from plain greedy where plain's top-2 logit gap is "
+        "below this is a near-tie (GPU kernels differ by batch shape); any other difference is a defect.",
+    )
     acceptance_floor: float = Field(0.2, ge=0, le=1, description="Fail when position-0 acceptance falls below this.")
     sweep_max_k: int = Field(
         5, ge=1, description="Measurement (a) runs at max(k, this) and derives tau for every smaller k."

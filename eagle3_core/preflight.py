@@ -120,7 +120,8 @@ def engine_gpus(config: PipelineConfig) -> int:
 
 
 def device_gpus(device: str) -> int:
-    return 1 if device.startswith("cuda") else 0
+    """GPUs a torch phase on `device` uses: one for cuda[:n], and for auto on a CUDA host (auto picks cuda)."""
+    return 1 if device.startswith("cuda") or (device == "auto" and has_cuda_gpus()) else 0
 
 
 def gpu_check(needed: int, check_busy: bool) -> str | None:

@@ -67,7 +67,7 @@ def measurement_keys(
     """Digests of what (a) and (b) depend on. Neither includes the guard's floor (a new floor re-judges
     saved numbers) nor the thread count; (a) leaves out the vLLM-only fields, so it is reused when only
     those change."""
-    vllm_only = {"with_vllm", "concurrency"}
+    vllm_only = {"with_vllm", "concurrency", "near_tie_logit_gap"}
     evaluation = config.evaluation.model_dump(mode="json", exclude={"acceptance_floor", "cpu_threads"} | vllm_only)
     fields = {
         "evaluation": evaluation,

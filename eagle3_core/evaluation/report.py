@@ -80,6 +80,27 @@ def speedup_cell(speedup: float | None, tau: float | None) -> str:
     return f"{fmt(speedup, 2)} (noise: above τ)"
 
 
+def slower_lines(summary: dict[str, Any]) -> list[str]:
+    """One line per prompt set and mode where (b) measured the draft making serving slower (speedup < 1)."""
+    lines = []
+    for name in set_names(summary):
+        for mode, label in (("batch1", "batch 1"), ("concurrent", "concurrency")):
+            speedup = measured(summary, "vllm", name).get(mode, {}).get("speedup")
+            if speedup is not None and speedup < 1:
+                lines.append(f"- {name}, {label}: the draft makes serving slower ({fmt(speedup, 2)}× plain).")
+    return ["", *lines] if lines else []
+
+
+def agreement_cell(measured_b: dict[str, Any]) -> str:
+    """(b)'s outputs against plain greedy: identical count, then near-ties and defects where judged."""
+    cell = measured_b.get("identical_outputs", "—")
+    if "defects" not in measured_b:
+        return cell
+    defects = measured_b["defects"]
+    named = f" ({', '.join(defects[:5])}{', …' if len(defects) > 5 else ''})" if defects else ""
+    return f"{cell}; near-ties {measured_b['near_ties']}; defects {len(defects)}{named}"
+
+
 def guard_lines(summary: dict[str, Any]) -> list[str]:
     if not summary["guard"]:
         return [f"**Guard**: passed (position-0 acceptance ≥ {summary['floor']})"]
@@ -123,6 +144,7 @@ def markdown_report(summary: dict[str, Any]) -> str:
             f"{speedup_cell(b.get('batch1', {}).get('speedup'), tau_b)} | "
             f"{speedup_cell(b.get('concurrent', {}).get('speedup'), tau_b)} |"
         )
+    lines += slower_lines(summary)
     lines += ["", "## Per-position acceptance (share of steps accepted up to and including position i)", ""]
     positions = max(hf["k"], k)
     lines += [
@@ -160,7 +182,7 @@ def markdown_report(summary: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {fmt(a.get('draft_share'), 2)} | {fmt(a.get('target_share'), 2)} | "
             f"{a.get('tokens', '—')} | {a.get('identical_to_greedy', '—')} | {fmt(rates[0], 1)} / "
-            f"{fmt(rates[1], 1)} | {fmt(rates[2], 1)} / {fmt(rates[3], 1)} | {b.get('identical_outputs', '—')} |"
+            f"{fmt(rates[1], 1)} | {fmt(rates[2], 1)} / {fmt(rates[3], 1)} | {agreement_cell(b)} |"
         )
     for engine, label in (("transformers", "(a)"), ("vllm", "(b)")):
         if (summary.get(engine) or {}).get("skipped"):

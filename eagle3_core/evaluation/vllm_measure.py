@@ -5,6 +5,12 @@ tokens) and without. Acceptance comes from vLLM's own `vllm:spec_decode_*` count
 before and after each prompt set (the difference is that set's share), so the numbers are the engine's,
 not ours. Output tokens/s is measured at batch 1 (one request at a time, where speculative decoding pays
 off) and at a small concurrency, on both servers, so the speedup compares like with like.
+
+Greedy outputs with the draft must equal plain greedy. On a GPU the verification of k+1 tokens and a one-token
+decode run differently shaped kernels, so a near-tie can flip: where two texts first differ, the plain server
+is asked again for that prompt with its top-2 log-probabilities, and the difference counts as a near-tie when
+the plain run's top-2 gap there (log-softmax differences equal logit differences) is below
+`evaluation.near_tie_logit_gap`. Any other difference is a defect, named by prompt id.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import httpx
 from eagle3_core.config import PipelineConfig
 from eagle3_core.evaluation.prompts import EvalPrompt
 from eagle3_core.evaluation.stats import AcceptanceStats
-from eagle3_core.events import RunEvents
+from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
 
 PHASE = "evaluation"
@@ -133,18 +139,107 @@ class OpenAIClient:
 
     def chat(self, model: str, prompt: EvalPrompt, max_tokens: int) -> tuple[str, int]:
         """Greedy chat completion -> (text, completion tokens)."""
+        choice, usage = self.complete(model, prompt, max_tokens, {})
+        return choice["message"].get("content") or "", int(usage["completion_tokens"])
+
+    def chat_top2(self, model: str, prompt: EvalPrompt, max_tokens: int) -> tuple[str, list[TokenGap]]:
+        """Greedy chat completion with each generated token's bytes and top-2 log-probability gap."""
+        choice, _ = self.complete(model, prompt, max_tokens, {"logprobs": True, "top_logprobs": 2})
+        return choice["message"].get("content") or "", token_gaps(choice["logprobs"]["content"])
+
+    def complete(
+        self, model: str, prompt: EvalPrompt, max_tokens: int, extra: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         body = {
             "model": model,
             "messages": prompt.chat_messages(),
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "seed": 0,
+            **extra,
         }
         response = self.http.post("/v1/chat/completions", json=body)
         if response.status_code != 200:
             raise RuntimeError(f"prompt {prompt.id}: HTTP {response.status_code}: {response.text[:500]}")
         data = response.json()
-        return data["choices"][0]["message"].get("content") or "", int(data["usage"]["completion_tokens"])
+        return data["choices"][0], data["usage"]
+
+
+@dataclass(frozen=True)
+class TokenGap:
+    """One generated token: its UTF-8 bytes and the gap between its top-2 log-probabilities."""
+
+    token: bytes
+    gap: float
+
+
+def token_gaps(content: list[dict[str, Any]]) -> list[TokenGap]:
+    """From the OpenAI `logprobs.content` list: each token's bytes (`bytes`, else its text) and top-2 gap
+    (infinite when only one alternative came back)."""
+    gaps = []
+    for entry in content:
+        raw = entry.get("bytes")
+        token = bytes(raw) if raw is not None else entry["token"].encode()
+        top = sorted((alt["logprob"] for alt in entry.get("top_logprobs") or []), reverse=True)
+        gaps.append(TokenGap(token, top[0] - top[1] if len(top) > 1 else float("inf")))
+    return gaps
+
+
+def first_difference(a: str, b: str) -> int | None:
+    """The first character index where two texts differ (the shorter one's length if one extends the
+    other), or None when they are equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def tokens_at(tokens: list[TokenGap], text: str, char_index: int) -> list[int]:
+    """Indices of the tokens where a text departing from `text` (the tokens' concatenation) at `char_index`
+    chose another token: the token holding that character, and the one before when the character starts a
+    token (the other text may have taken a longer token there, as " then" for " the"). Empty past the end."""
+    offset, start = len(text[:char_index].encode()), 0
+    for index, token in enumerate(tokens):
+        end = start + len(token.token)
+        if end > offset:
+            return [index - 1, index] if offset == start and index > 0 else [index]
+        start = end
+    return []
+
+
+def judge_difference(
+    prompt_id: str, texts: tuple[str, str, str], tokens: list[TokenGap], bound: float
+) -> dict[str, Any]:
+    """Where the draft's text first departs from plain greedy (`texts`: draft, plain, and a repeat of the
+    plain request that returned `tokens`): the plain run's token there (the smaller gap of the two candidates
+    at a token boundary, `tokens_at`) and its top-2 gap; a near-tie when the gap is below `bound`. The repeat
+    must return the plain text again, else plain greedy itself is not repeatable: a defect."""
+    draft_text, plain_text, repeat_text = texts
+    char = first_difference(draft_text, plain_text)
+    candidates = tokens_at(tokens, plain_text, char) if char is not None else []
+    index = min(candidates, key=lambda i: tokens[i].gap, default=None)
+    gap = tokens[index].gap if index is not None else None
+    repeatable = repeat_text == plain_text
+    near_tie = repeatable and gap is not None and gap < bound
+    return {"prompt": prompt_id, "char": char, "token": index, "gap": gap, "repeatable": repeatable,
+            "near_tie": near_tie}  # fmt: skip
+
+
+def judge_outputs(
+    client: OpenAIClient,
+    model: str,
+    prompts: list[EvalPrompt],
+    outputs: tuple[list[str], list[str]],
+    max_tokens: int,
+    bound: float,
+) -> list[dict[str, Any]]:
+    """`judge_difference` for every prompt whose draft output (first) differs from the plain one (second),
+    asking the plain server (`client`) again with log-probabilities."""
+    judged = []
+    for prompt, draft_text, plain_text in zip(prompts, *outputs, strict=True):
+        if draft_text != plain_text:
+            repeat_text, tokens = client.chat_top2(model, prompt, max_tokens)
+            judged.append(judge_difference(prompt.id, (draft_text, plain_text, repeat_text), tokens, bound))
+    return judged
 
 
 def run_prompts(
@@ -185,9 +280,12 @@ def measure_on_server(
     concurrency: int,
     with_draft: bool,
     progress: ProgressCallback,
+    reference: dict[str, list[str]] | None = None,
+    near_tie_bound: float = 0.0,
 ) -> dict[str, dict[str, Any]]:
-    """Per prompt set: batch-1 and concurrent passes (tokens, seconds), the batch-1 outputs, and (with a
-    draft) the acceptance vLLM counted during the batch-1 pass."""
+    """Per prompt set: batch-1 and concurrent passes (tokens, seconds), the batch-1 outputs, (with a draft)
+    the acceptance vLLM counted during the batch-1 pass, and (given the draft's outputs as `reference`) the
+    judged `differences` of the batch-1 outputs from them (`judge_outputs`)."""
     model = client.model_id()
     label = "with draft" if with_draft else "without draft"
     results: dict[str, dict[str, Any]] = {}
@@ -197,6 +295,9 @@ def measure_on_server(
         result: dict[str, Any] = {"batch1": throughput(single), "outputs": single.outputs}
         if before is not None:
             result["acceptance"] = spec_counters(client.metrics()).minus(before).to_stats().to_json()
+        if reference is not None:
+            outputs = (reference[name], single.outputs)
+            result["differences"] = judge_outputs(client, model, prompts, outputs, max_tokens, near_tie_bound)
         stage = f"vLLM {label}, {name}, concurrency {concurrency}"
         result["concurrent"] = throughput(run_prompts(client, model, prompts, max_tokens, concurrency, progress, stage))
         results[name] = result
@@ -214,10 +315,18 @@ def pooled_throughput(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def compare(draft: dict[str, Any], plain: dict[str, Any], outputs: tuple[list[str], list[str]]) -> dict[str, Any]:
-    """Acceptance, both throughputs and speedups, and output agreement (bf16 outputs may drift after ~100
-    tokens, so agreement is reported, not required)."""
+    """Acceptance, both throughputs and speedups, and output agreement: identical, near-ties, and the prompt
+    ids of the defects (differences not at a near-tie; bf16 outputs may drift after ~100 tokens, so agreement
+    is reported, not required)."""
     same = sum(a == b for a, b in zip(*outputs, strict=True))
-    result: dict[str, Any] = {"acceptance": draft["acceptance"], "identical_outputs": f"{same}/{len(outputs[0])}"}
+    differences = plain.get("differences", [])
+    result: dict[str, Any] = {
+        "acceptance": draft["acceptance"],
+        "identical_outputs": f"{same}/{len(outputs[0])}",
+        "near_ties": sum(d["near_tie"] for d in differences),
+        "defects": [d["prompt"] for d in differences if not d["near_tie"]],
+        "differences": differences,
+    }
     for mode in ("batch1", "concurrent"):
         rate_draft, rate_plain = draft[mode]["tokens_per_s"], plain[mode]["tokens_per_s"]
         result[mode] = {"draft": draft[mode], "plain": plain[mode], "speedup": rate_draft / max(rate_plain, 1e-9)}
@@ -237,6 +346,7 @@ def compare_runs(with_draft: dict[str, dict[str, Any]], without: dict[str, dict[
             for label, runs in (("draft", with_draft), ("plain", without))
         },
     }
+    pooled["plain"]["differences"] = [d for run in without.values() for d in run.get("differences", [])]
     outputs = (
         [o for run in with_draft.values() for o in run["outputs"]],
         [o for run in without.values() for o in run["outputs"]],
@@ -280,6 +390,7 @@ def measure_vllm(
         ) as server:
             client = OpenAIClient(server.base_url, server.api_key, config.sampling.request_timeout_s)
             try:
+                reference = None if with_draft else {name: run["outputs"] for name, run in runs[True].items()}
                 runs[with_draft] = measure_on_server(
                     client,
                     prompt_sets,
@@ -287,7 +398,21 @@ def measure_vllm(
                     evaluation.concurrency,
                     with_draft,
                     progress,
+                    reference=reference,
+                    near_tie_bound=evaluation.near_tie_logit_gap,
                 )
             finally:
                 client.close()
-    return compare_runs(runs[True], runs[False])
+    result = compare_runs(runs[True], runs[False])
+    events.record(PHASE, DECISION, agreement_line(result["sets"]["all"], evaluation.near_tie_logit_gap))
+    return result
+
+
+def agreement_line(pooled: dict[str, Any], bound: float) -> str:
+    """The events.jsonl line that judges (b)'s outputs against plain greedy."""
+    defects = pooled["defects"]
+    return (
+        f"measurement (b) outputs with the draft vs plain greedy: {pooled['identical_outputs']} identical, "
+        f"{pooled['near_ties']} near-ties (plain top-2 logit gap < {bound:g} where the texts first differ), "
+        f"{len(defects)} defects{': ' + ', '.join(defects) if defects else ''}"
+    )

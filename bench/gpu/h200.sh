@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 27 on the lent H200, one step per device call, back to back (the stash lives in the device's temp dir
+# only while the machine stays warm). bench/gpu/README.md has the calls.
+#   bash bench/gpu/h200.sh stash    carry .gpu-stage/call-NN: copy its part into the stash
+#   bash bench/gpu/h200.sh run      carry the last call folder: install, GPU-release test, `eagle3 run`
+#   bash bench/gpu/h200.sh finish   the flow again (resumes or returns Cached), hf extraction, cosines
+# Each step ends by $CALL_S (default 570) seconds after it started; a cut flow resumes in the next step.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+T=$(python3 -c 'import tempfile; print(tempfile.gettempdir())')/eagle3-gpu
+OUT=${OUT:-$T/out}
+mkdir -p "$OUT" "$T"
+export PYTHONPATH=$T/site:$PWD PREFECT_HOME=$T/prefect HF_HOME=$T/hf
+CONFIG=configs/h200-smollm2.yaml
+SETS=(--set "run_dir=$T/run" --set "target.cache_dir=$T/cache")
+read -ra EXTRA <<<"${EXTRA_SETS:-}"  # e.g. EXTRA_SETS="--set evaluation.max_prompts=8"
+SETS+=("${EXTRA[@]}")
+END=$((SECONDS + ${CALL_S:-570}))
+
+timed() {
+  local start=$SECONDS
+  "$@"
+  local rc=$?
+  echo "[h200.sh] $* -> rc $rc in $((SECONDS - start)) s" | tee -a "$OUT/steps.log"
+  return $rc
+}
+
+flow() {  # the whole flow until 60 s before the step's end; SIGTERM makes it stop its engines (Crashed)
+  timed timeout -s TERM -k 20 $((END - SECONDS - 60)) python3 -m cli run -c $CONFIG "${SETS[@]}" 2>&1 | tee "$OUT/$1.log" | grep -v " | DEBUG"
+}
+
+collect() {
+  local run=$T/run
+  cp "$run/events.jsonl" "$OUT/" 2>/dev/null
+  tar -czf "$OUT/run.tgz" -C "$run" --ignore-failed-read eval server samples/sample_set.json \
+    hidden_states/hidden_state_set.json draft/curves.jsonl draft/draft_checkpoint.json 2>/dev/null
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$OUT/steps.log"
+}
+
+case ${1:-} in
+  stash)
+    timed python3 -m bench.gpu.device stash
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
+    python3 -m pip list --format=freeze >"$OUT/device-pip-freeze.txt" 2>/dev/null
+    ;;
+  run)
+    timed python3 -m bench.gpu.device install || exit 1
+    timed python3 -m pytest --noconftest -p no:cacheprovider -q -s tests/unit/test_gpu_release.py 2>&1 | tail -5
+    timed python3 -c "import vllm, prefect, pydantic; print('vllm', vllm.__version__, 'prefect', prefect.__version__)"
+    flow run1
+    collect
+    ;;
+  finish)
+    timed python3 -m bench.gpu.device install || exit 1
+    flow run2
+    if [ -f "$T/run/hidden_states/hidden_state_set.json" ] && [ ! -f "$OUT/cosines.json" ]; then
+      timed python3 -m cli extract -c $CONFIG --set "run_dir=$T/run-hf" --set "target.cache_dir=$T/cache" \
+        --samples "$T/run/samples" --set extraction.backend=hf 2>&1 | tail -5
+      timed python3 -m bench.gpu.compare_extraction "$T/run/hidden_states" "$T/run-hf/hidden_states" \
+        | tee "$OUT/cosines.json"
+    fi
+    collect
+    ;;
+  *)
+    echo "usage: bash bench/gpu/h200.sh stash|run|finish" >&2
+    exit 2
+    ;;
+esac
