@@ -5,7 +5,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 DEMO_CONFIG ?= configs/demo.yaml
 
-.PHONY: install demo test lint format
+# The suite runs on TEST_WORKERS pytest-xdist workers, a module (or a group of modules sharing a server) to
+# each: an engine start is three Python processes importing vLLM one after the other, so one core idles
+# while they do; a second worker fills it.
+TEST_WORKERS ?= 2
+
+.PHONY: install demo test test-unit lint format
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -36,7 +41,11 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup
+
+# The fast tier alone (tiny models, fake engines, no vLLM start): what a contributor runs while editing.
+test-unit: install
+	$(PY) -m pytest -q -ra -m "not slow" -n $(TEST_WORKERS) --dist loadgroup
 
 format: install
 	$(VENV)/bin/ruff check --fix .

@@ -1,5 +1,6 @@
-"""Shared fixtures: the real embedded target (converted once per machine), tiny random targets, and a
-throwaway Prefect API (a temporary database and server) per test module."""
+"""Shared fixtures, each built once per test session (once per xdist worker): the real embedded target
+(converted once per machine), tiny random targets, the shared vLLM servers (`served_targets.py`) and one
+throwaway Prefect API (a temporary database and server) for the tests that need not be isolated."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from prefect.testing.utilities import prefect_test_harness
+from served_targets import ServedTargets
 from tiny_targets import build_tiny_target
 
 from eagle3_core.artifacts import TargetModel
@@ -40,7 +42,27 @@ def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory, smollm2_target: Targ
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def prefect_api():
+    """One Prefect test server for the session. A test that reads back everything the API holds (logs,
+    artifacts) starts a harness of its own instead."""
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory: pytest.TempPathFactory):
+    """The session's shared vLLM servers: `served.get(target, server_config)`."""
+    servers = ServedTargets(tmp_path_factory.mktemp("served"))
+    yield servers
+    servers.stop_all()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) every module is one unit of work, so its
+    module-scoped fixtures are built once, on one worker; modules marked with a shared `xdist_group` (those
+    that use one of the session's shared servers) run on one worker too, so the server is started once."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

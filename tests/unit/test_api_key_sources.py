@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import yaml
 from prefect.blocks.system import Secret
-from prefect.testing.utilities import prefect_test_harness
 
 from eagle3_core.config import SECRET_KEY_VARIABLE, ConfigError, PipelineConfig, dump_config, load_config
 from eagle3_core.serving.engine import api_key_of
@@ -16,10 +15,9 @@ KEY = "sk-unit-3b9e0f27c1"
 
 
 @pytest.fixture(scope="module")
-def prefect_api():
-    with prefect_test_harness(server_startup_timeout=120):
-        Secret(value=KEY).save("unit-key", overwrite=True)
-        yield
+def prefect_api(prefect_api):
+    """The session's Prefect API, holding the block these tests read."""
+    Secret(value=KEY).save("unit-key", overwrite=True)
 
 
 @pytest.mark.parametrize("variable", [None, "MY_VLLM_KEY"])
