@@ -31,26 +31,19 @@ from eagle3_core.extraction.storage import (
     shard_name,
 )
 from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.phases import EXTRACTION, phase_key
 from eagle3_core.preflight import preflight_extraction
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.sampling.table import is_heldout, iter_rows
 
-PHASE = "extraction"
-FORMAT_VERSION = 1
+PHASE = EXTRACTION.name
 DONE_SUFFIX = ".done.json"
 
 
 def phase_config(config: PipelineConfig, target: TargetModel) -> dict[str, Any]:
-    """The config fields that change what is stored (batch size, concurrency and device do not)."""
-    ex = config.extraction
-    return {
-        "format_version": FORMAT_VERSION,
-        "backend": ex.backend,
-        "layer_ids": resolve_layer_ids(config, target),
-        "dtype": ex.dtype,
-        "samples_per_shard": ex.samples_per_shard,
-        "holdout_fraction": config.sampling.holdout_fraction,
-    }
+    """The fields marked content (what is stored; not batch size, concurrency, device or the engine) and
+    the layer ids as resolved for this target."""
+    return {**phase_key(config, EXTRACTION), "layer_ids": resolve_layer_ids(config, target)}
 
 
 def training_rows(sample_set: SampleSet, holdout_fraction: float) -> list[dict]:
@@ -312,11 +305,13 @@ def build_manifest(
         config=cfg,
         upstream=upstream,
         layer_ids=cfg["layer_ids"],
-        dtype=cfg["dtype"],
+        dtype=cfg["extraction"]["dtype"],
         hidden_size=target.hidden_size,
         samples=len(index),
         tokens=tokens,
-        bytes_per_token=shard_bytes / tokens if tokens else bytes_per_token(target.hidden_size, cfg["dtype"]),
+        bytes_per_token=shard_bytes / tokens
+        if tokens
+        else bytes_per_token(target.hidden_size, cfg["extraction"]["dtype"]),
         last_state_normed=LAST_STATE_NORMED,
-        backend=cfg["backend"],
+        backend=cfg["extraction"]["backend"],
     )

@@ -32,11 +32,12 @@ from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.extraction.connector import CONNECTOR_NAME, EXTRACT_REQUEST
 from eagle3_core.extraction.layout import OUT_DIR, resolve_layer_ids
 from eagle3_core.extraction.storage import SampleStates, ShardError
+from eagle3_core.phases import EXTRACTION
 from eagle3_core.progress import ProgressCallback
 from eagle3_core.serving.engine import ENGINE_EXIT_WAIT_S, EngineDied, EngineExit
 from eagle3_core.serving.shared import CONTEXT_MARGIN, SharedServer, running_server
 
-PHASE = "extraction"
+PHASE = EXTRACTION.name
 INCOMING_DIR = "incoming"
 
 

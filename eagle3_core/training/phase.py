@@ -18,7 +18,8 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.draft.export import RECIPE_FLAGS, export_draft, load_exported
 from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
-from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.files import folder_identity, sha256_json, write_text_atomic
+from eagle3_core.phases import TRAINING, phase_key
 from eagle3_core.preflight import preflight_training
 from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.training.curves import TrainingCurves
@@ -32,15 +33,12 @@ OUT_DIR = "draft"
 EXPORT_DIR = "export"
 STATE_DIR = "state"
 KEY_FILE = "key.json"
-FORMAT_VERSION = 1
-# Fields that do not change the trained weights (where it runs, how often it saves, whether it is compiled)
-# stay out of the key.
-NOT_IN_KEY = {"device", "checkpoint_every", "keep_checkpoints", "compile"}
 
 
 def phase_config(config: PipelineConfig) -> dict:
-    fields = config.training.model_dump(mode="json", exclude=NOT_IN_KEY)
-    return {"format_version": FORMAT_VERSION, **fields}
+    """The training fields marked content (not where it runs, how it is sharded, how often it saves or
+    whether it is compiled) and the files of the warm-start checkpoint, if any."""
+    return {**phase_key(config, TRAINING), "warm_start": folder_identity(config.training.warm_start)}
 
 
 def target_rms_eps(target: TargetModel) -> float:
