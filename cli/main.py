@@ -15,6 +15,7 @@ from eagle3_core.artifacts import ArtifactInvalid, Manifest
 from eagle3_core.config import ConfigError, PipelineConfig, dump_config, load_config
 from eagle3_core.dtypes import dtype_decision, record_dtype_decision
 from eagle3_core.events import RunEvents
+from eagle3_core.run_layout import RunLayout
 
 ManifestT = TypeVar("ManifestT", bound=Manifest)
 
@@ -134,7 +135,7 @@ def run_command(
     else:
         from flows.train_drafter import train_drafter as flow_function
     report = flow_function(cfg)
-    summary = (cfg.run_dir / "summary" / "summary.md").read_text()
+    summary = RunLayout.of(cfg).summary_markdown.read_text()
     text = "\n".join(line for line in summary.splitlines() if "](data:image/" not in line)  # plots: files
     console.print(text, highlight=False, markup=False)
     console.print(
@@ -172,7 +173,7 @@ def extract_command(
 
     cfg = resolve_config(config, set_)
     events = run_events(cfg, "extraction")
-    sample_set = load_upstream(SampleSet, samples or cfg.run_dir / "samples", "sample")
+    sample_set = load_upstream(SampleSet, samples or RunLayout.of(cfg).samples, "sample")
     target = prepare_target(cfg.target, events)
     with phase_failures(), rich_progress() as progress:
         hidden = extract_hidden_states(cfg, sample_set, target, events, progress=progress)
@@ -198,8 +199,8 @@ def evaluate_command(
 
     cfg = resolve_config(config, set_)
     events = run_events(cfg, "evaluation")
-    checkpoint = checkpoint_of(draft or cfg.run_dir / "draft")
-    sample_dir = cfg.run_dir / "samples"
+    checkpoint = checkpoint_of(draft or RunLayout.of(cfg).draft.root)
+    sample_dir = RunLayout.of(cfg).samples
     sample_set = SampleSet.load(sample_dir) if (sample_dir / f"{SampleSet.kind}.json").is_file() else None
     if sample_set is None:
         console.print(f"[yellow]no SampleSet in {sample_dir}: measuring HumanEval only[/yellow]")
@@ -259,7 +260,7 @@ def vocab_command(
 
     cfg = resolve_config(config, set_)
     events = run_events(cfg)
-    sample_set = load_upstream(SampleSet, samples or cfg.run_dir / "samples", "sample")
+    sample_set = load_upstream(SampleSet, samples or RunLayout.of(cfg).samples, "sample")
     vocab_map = build_vocab_map(cfg, sample_set, prepare_target(cfg.target, events), events)
     console.print(
         f"draft vocabulary {vocab_map.draft_vocab_size} of {vocab_map.target_vocab_size} tokens, coverage "
@@ -279,8 +280,8 @@ def train_command(config: ConfigOption = None, set_: SetOption = None) -> None:
 
     cfg = resolve_config(config, set_)
     events = run_events(cfg)
-    hidden = load_upstream(HiddenStateSet, cfg.run_dir / "hidden_states", "extract")
-    vocab_map = load_upstream(VocabMap, cfg.run_dir / "vocab", "vocab")
+    hidden = load_upstream(HiddenStateSet, RunLayout.of(cfg).hidden_states, "extract")
+    vocab_map = load_upstream(VocabMap, RunLayout.of(cfg).vocab, "vocab")
     target = prepare_target(cfg.target, events)
     with phase_failures(), rich_progress() as progress:
         checkpoint = train_draft(cfg, hidden, vocab_map, target, events, progress=progress)
@@ -301,8 +302,8 @@ def export_command(
     from eagle3_core.training.phase import export_training_state
 
     cfg = resolve_config(config, set_)
-    hidden = load_upstream(HiddenStateSet, cfg.run_dir / "hidden_states", "extract")
-    vocab_map = load_upstream(VocabMap, cfg.run_dir / "vocab", "vocab")
+    hidden = load_upstream(HiddenStateSet, RunLayout.of(cfg).hidden_states, "extract")
+    vocab_map = load_upstream(VocabMap, RunLayout.of(cfg).vocab, "vocab")
     target = prepare_target(cfg.target, run_events(cfg))
     paths = export_training_state(cfg, hidden, vocab_map, target, out, state)
     console.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)

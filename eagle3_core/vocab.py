@@ -19,10 +19,10 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.files import atomic_path
 from eagle3_core.phases import VOCAB, phase_key
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.table import is_heldout, iter_rows
 
 PHASE = VOCAB.name
-OUT_DIR = "vocab"
 TENSOR_FILE = "vocab_map.safetensors"
 
 
@@ -105,7 +105,7 @@ def cached_vocab_map(out_dir: Path, cfg: dict, upstream: dict, events: RunEvents
 
 def build_vocab_map(config: PipelineConfig, sample_set: SampleSet, target: TargetModel, events: RunEvents) -> VocabMap:
     """Count, select, and write `<run_dir>/vocab/` (tensors + manifest); reuse only an exact match."""
-    out_dir = Path(config.run_dir) / OUT_DIR
+    out_dir = RunLayout.of(config).vocab
     cfg = phase_config(config, target)
     upstream = {"sample_set": sample_set.digest, "target": target.digest}
     cached = cached_vocab_map(out_dir, cfg, upstream, events)

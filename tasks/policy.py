@@ -32,6 +32,7 @@ from eagle3_core.files import DiskFullError, sha256_json
 from eagle3_core.phases import KEYED_ROLES, PhaseSpec, keyed_fields
 from eagle3_core.preflight import PreflightError
 from eagle3_core.progress import ProgressCallback
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.serving.engine import EngineDied
 from tasks.gpu import phase_slot
 from tasks.progress import PrefectProgress
@@ -165,7 +166,7 @@ def retry_transient(task: Task, task_run: Any, state: Any) -> bool:
 
 def result_storage_dir(config: PipelineConfig) -> Path:
     """Where task results (JSON manifests) persist: the configured path, or under the run root."""
-    path = config.orchestration.result_storage or Path(config.run_dir) / ".prefect" / "results"
+    path = config.orchestration.result_storage or RunLayout.of(config).prefect_results
     return Path(path).expanduser().resolve()
 
 

@@ -30,13 +30,14 @@ from eagle3_core.files import sha256_json, write_text_atomic
 from eagle3_core.phases import EVALUATION, keyed_fields, phase_key
 from eagle3_core.preflight import preflight_evaluation
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
+from eagle3_core.run_layout import DraftLayout, RunLayout
 
 PHASE = EVALUATION.name
 
 
 def export_dir(checkpoint: DraftCheckpoint) -> Path:
     """The vLLM-loadable folder of a checkpoint: `<root>/export/` (or the root itself if it is one)."""
-    for folder in (checkpoint.root_path / "export", checkpoint.root_path):
+    for folder in (DraftLayout(checkpoint.root_path).export, checkpoint.root_path):
         if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
             return folder
     raise FileNotFoundError(f"{checkpoint.root}: no exported draft (export/config.json + model.safetensors)")
@@ -223,7 +224,7 @@ def evaluate_draft(
     pooled position-0 acceptance of (a) or (b) is below `evaluation.acceptance_floor`.
     `sample_set` None measures HumanEval only (no project prompts, nothing to check overlap against)."""
     config = resolved_config(config)  # `auto` dtypes as this host runs them, in keys and in the report
-    eval_dir = Path(config.run_dir) / "eval"
+    eval_dir = RunLayout.of(config).eval
     draft_dir = export_dir(checkpoint)
     upstream = {"draft_checkpoint": checkpoint.digest, "target_model": target.digest}
     if sample_set is not None:

@@ -20,7 +20,7 @@ from eagle3_core.artifacts import ArtifactInvalid, FileRecord, HiddenStateSet, S
 from eagle3_core.config import ExtractionConfig, PipelineConfig
 from eagle3_core.dtypes import resolve_dtype
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
-from eagle3_core.extraction.layout import OUT_DIR, resolve_layer_ids
+from eagle3_core.extraction.layout import resolve_layer_ids
 from eagle3_core.extraction.reader import INDEX_FILE
 from eagle3_core.extraction.storage import (
     LAST_STATE_NORMED,
@@ -34,6 +34,7 @@ from eagle3_core.files import sha256_json, write_text_atomic
 from eagle3_core.phases import EXTRACTION, phase_key
 from eagle3_core.preflight import preflight_extraction
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.table import is_heldout, iter_rows
 
 PHASE = EXTRACTION.name
@@ -147,7 +148,7 @@ def extract_hidden_states(
     server: Any = None,
 ) -> HiddenStateSet:
     """Extract the aux and last hidden states of every training sample into `<run_dir>/hidden_states/`."""
-    out_dir = Path(config.run_dir) / OUT_DIR
+    out_dir = RunLayout.of(config).hidden_states
     cfg = phase_config(config, target)
     upstream = {"sample_set": sample_set.digest, "target": target.digest}
     cached = cached_manifest(out_dir, cfg, upstream)

@@ -26,10 +26,10 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
 from eagle3_core.files import sha256_json, write_text_atomic
 from eagle3_core.phases import SAMPLING, phase_key
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.prompts import Prompt
 from eagle3_core.sampling.table import read_part, write_part
 
-SAMPLES_DIR = "samples"
 KEY_FILE = "run_key.json"
 PART_GLOB = "part-*.parquet"
 
@@ -142,7 +142,7 @@ class SampleStore:
         cls, config: PipelineConfig, target: TargetModel, prompts: list[Prompt], events: RunEvents
     ) -> SampleStore:
         """The store of `<run_dir>/samples` for these settings, target and prompts."""
-        return cls(Path(config.run_dir) / SAMPLES_DIR, run_key(config, target, prompts), events)
+        return cls(RunLayout.of(config).samples, run_key(config, target, prompts), events)
 
     def cached(self) -> SampleSet | None:
         """The finished SampleSet of the same key with no error rows, if its files are intact."""

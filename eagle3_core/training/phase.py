@@ -22,6 +22,7 @@ from eagle3_core.files import folder_identity, sha256_json, write_text_atomic
 from eagle3_core.phases import TRAINING, phase_key
 from eagle3_core.preflight import preflight_training
 from eagle3_core.progress import ProgressCallback, ignore_progress
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.training.curves import TrainingCurves
 from eagle3_core.training.distributed import Group, barrier, init_group
 from eagle3_core.training.loop import PHASE, run_training, split_validation
@@ -29,9 +30,6 @@ from eagle3_core.training.loss import TargetHead, TTTObjective
 from eagle3_core.training.state import FULL
 from eagle3_core.vocab import load_vocab_tensors
 
-OUT_DIR = "draft"
-EXPORT_DIR = "export"
-STATE_DIR = "state"
 KEY_FILE = "key.json"
 
 
@@ -122,7 +120,8 @@ def train_draft(
     from eagle3_core.extraction.reader import HiddenStateDataset
 
     tc = config.training
-    out_dir = Path(config.run_dir) / OUT_DIR
+    draft_dir = RunLayout.of(config).draft
+    out_dir = draft_dir.root
     cfg = phase_config(config)
     upstream = {"hidden_states": hidden_states.digest, "vocab_map": vocab_map.digest, "target": target.digest}
     cached = cached_checkpoint(out_dir, cfg, upstream)
@@ -150,7 +149,7 @@ def train_draft(
             world=group.world,
             device=str(group.device),
         )
-    state_dir = out_dir / STATE_DIR
+    state_dir = draft_dir.state
     prepare_state_dir(state_dir, sha256_json({"config": cfg, "upstream": upstream}), events, group)
     objective = TTTObjective(draft, tc.ttt_steps, tc.step_weight, tc.attention, tc.mask_out_of_vocab)
     curves = TrainingCurves(out_dir if group.is_main else None)  # draft/tensorboard/, draft/training_curves.png
@@ -162,7 +161,7 @@ def train_draft(
     if group.is_main:
         exported = Eagle3Draft(draft_config)
         exported.load_state_dict({k.removeprefix("draft."): v for k, v in full_state.items()}, strict=True)
-        paths = export_draft(exported, out_dir / EXPORT_DIR)
+        paths = export_draft(exported, draft_dir.export)
         checkpoint = DraftCheckpoint(
             root=str(out_dir.resolve()),
             files=record_files(out_dir, paths),
@@ -191,9 +190,10 @@ def export_training_state(
     intermediate step while training goes on."""
     from eagle3_core.training.state import latest_state
 
-    state_file = state_file or latest_state(Path(config.run_dir) / OUT_DIR / STATE_DIR)
+    state_dir = RunLayout.of(config).draft.state
+    state_file = state_file or latest_state(state_dir)
     if state_file is None:
-        raise FileNotFoundError(f"no training state under {Path(config.run_dir) / OUT_DIR / STATE_DIR}")
+        raise FileNotFoundError(f"no training state under {state_dir}")
     draft = Eagle3Draft(draft_config_of(config, target, vocab_map, hidden_states.layer_ids))
     model = torch.load(state_file, map_location="cpu", weights_only=False)["model"]
     missing, unexpected = draft.load_state_dict({k.removeprefix("draft."): v for k, v in model.items()}, strict=False)
