@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,8 +14,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap, record_files
 from eagle3_core.config import PipelineConfig
-from eagle3_core.draft.export import RECIPE_FLAGS, export_draft, load_exported
+from eagle3_core.draft.export import export_draft, load_exported
 from eagle3_core.draft.model import DraftConfig, Eagle3Draft
+from eagle3_core.draft.shape import trained_draft_config
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.files import folder_identity, sha256_json, write_text_atomic
 from eagle3_core.phases import TRAINING, phase_key
@@ -90,11 +90,9 @@ def warm_start(draft: Eagle3Draft, previous: Eagle3Draft, source: str) -> None:
 def draft_config_of(
     config: PipelineConfig, target: TargetModel, vocab_map: VocabMap, layer_ids: list[int]
 ) -> DraftConfig:
-    """The draft's shape from the target's config.json, with the recipe flags of `training`."""
+    """The draft's shape (`draft.shape`, the one its preflight counts) from the target's config.json."""
     target_config = json.loads((target.root_path / "config.json").read_text())
-    architecture = config.training.draft_architecture
-    shape = DraftConfig.from_target_config(target_config, vocab_map.draft_vocab_size, layer_ids, architecture)
-    return replace(shape, **{flag: getattr(config.training, flag) for flag in RECIPE_FLAGS})
+    return trained_draft_config(config.training, target_config, vocab_map.draft_vocab_size, layer_ids)
 
 
 def build_draft(config: PipelineConfig, target: TargetModel, draft_config: DraftConfig, d2t, t2d) -> Eagle3Draft:
