@@ -25,6 +25,8 @@ from eagle3_core.extraction.reader import INDEX_FILE
 from eagle3_core.extraction.storage import (
     LAST_STATE_NORMED,
     BackgroundShardWriter,
+    ExtractionBackend,
+    SampleRow,
     SampleStates,
     bytes_per_token,
     check_sample,
@@ -47,7 +49,7 @@ def phase_config(config: PipelineConfig, target: TargetModel) -> dict[str, Any]:
     return {**phase_key(config, EXTRACTION), "layer_ids": resolve_layer_ids(config, target)}
 
 
-def training_rows(sample_set: SampleSet, holdout_fraction: float) -> list[dict]:
+def training_rows(sample_set: SampleSet, holdout_fraction: float) -> list[SampleRow]:
     """Ok rows that are not held out for evaluation, in the SampleSet's order."""
     return [
         row
@@ -56,11 +58,11 @@ def training_rows(sample_set: SampleSet, holdout_fraction: float) -> list[dict]:
     ]
 
 
-def plan_shards(rows: list[dict], samples_per_shard: int) -> list[list[dict]]:
+def plan_shards(rows: list[SampleRow], samples_per_shard: int) -> list[list[SampleRow]]:
     return [rows[i : i + samples_per_shard] for i in range(0, len(rows), samples_per_shard)]
 
 
-def shard_key(key: str, rows: list[dict]) -> str:
+def shard_key(key: str, rows: list[SampleRow]) -> str:
     """A shard is done for this plan when the phase settings, the target and the very token ids of its
     samples are the same. The SampleSet digest is left out on purpose: new prompts change it, and must
     cost only the shards that hold new samples (the nightly run extracts only what is new)."""
@@ -98,7 +100,7 @@ def cached_manifest(out_dir: Path, config: dict, upstream: dict) -> HiddenStateS
 @contextmanager
 def open_hf_backend(
     config: PipelineConfig, target: TargetModel, layer_ids: list[int], events: RunEvents, progress: ProgressCallback
-) -> Iterator[Any]:
+) -> Iterator[ExtractionBackend]:
     """Load the target with transformers (one full weight load) and release it on exit."""
     import torch
 
@@ -127,7 +129,7 @@ def open_backend(
     progress: ProgressCallback,
     server: Any,
     max_tokens: int,
-) -> Iterator[Any]:
+) -> Iterator[ExtractionBackend]:
     """Start the configured backend (one full weight load, none when `server` is handed in); stop it on exit."""
     if config.extraction.backend == "hf":
         with open_hf_backend(config, target, layer_ids, events, progress) as backend:
@@ -207,9 +209,9 @@ def remove_stale(out_dir: Path, num_shards: int, pending: list[int]) -> None:
 
 
 def run_shards(
-    backend: Any,
+    backend: ExtractionBackend,
     out_dir: Path,
-    shards: list[list[dict]],
+    shards: list[list[SampleRow]],
     keys: list[str],
     pending: list[int],
     extraction: ExtractionConfig,
@@ -222,7 +224,7 @@ def run_shards(
     meter = RateMeter()
     counts = {"samples": 0, "tokens": 0, "shards": 0}
 
-    def checker(rows: list[dict]):
+    def checker(rows: list[SampleRow]):
         def check(samples: list[SampleStates]) -> None:
             for row, states in zip(rows, samples, strict=True):
                 check_sample(states, row["input_ids"], hidden_size)
@@ -277,7 +279,7 @@ def run_shards(
 
 
 def build_manifest(
-    out_dir: Path, shards: list[list[dict]], keys: list[str], cfg: dict, upstream: dict, target: TargetModel
+    out_dir: Path, shards: list[list[SampleRow]], keys: list[str], cfg: dict, upstream: dict, target: TargetModel
 ) -> HiddenStateSet:
     """Index every sample (id -> shard, position, tokens) and record the shards' digests."""
     files: list[FileRecord] = []

@@ -31,7 +31,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.extraction.connector import CONNECTOR_NAME, EXTRACT_REQUEST
 from eagle3_core.extraction.layout import resolve_layer_ids
-from eagle3_core.extraction.storage import SampleStates, ShardError
+from eagle3_core.extraction.storage import SampleRow, SampleStates, ShardError
 from eagle3_core.phases import EXTRACTION
 from eagle3_core.progress import ProgressCallback
 from eagle3_core.run_layout import RunLayout
@@ -107,7 +107,7 @@ class VllmBackend:
         models.raise_for_status()
         self.model = models.json()["data"][0]["id"]
 
-    def extract_one(self, row: dict) -> SampleStates:
+    def extract_one(self, row: SampleRow) -> SampleStates:
         ids = list(row["input_ids"])
         body = {
             "model": self.model,
@@ -140,7 +140,7 @@ class VllmBackend:
             last=states[:, 3],
         )
 
-    def extract(self, rows: list[dict]) -> tuple[list[SampleStates], None]:
+    def extract(self, rows: list[SampleRow]) -> tuple[list[SampleStates], None]:
         """The states of one shard's samples; `EngineDied` when the engine died meanwhile."""
         try:
             return list(self.pool.map(self.extract_one, rows)), None
