@@ -29,7 +29,8 @@ from sampling_speed import append_result, machine_info
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction import extract_hidden_states
-from eagle3_core.extraction.vllm_backend import INCOMING_DIR, shared_server
+from eagle3_core.extraction.vllm_backend import shared_server
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.phase import sample_prompts
 from eagle3_core.sampling.reuse_decision import sampling_slowdown_s
 from eagle3_core.target.prepare import prepare_target
@@ -65,7 +66,7 @@ def run_mode(run_dir: Path, args: argparse.Namespace, reuse: bool) -> dict:
         shared = shared_server(config, target, events)
         try:
             samples = sample_prompts(config, target, events, server=shared)
-            leftovers = list((run_dir / "hidden_states" / INCOMING_DIR).iterdir())
+            leftovers = list(RunLayout(run_dir).incoming_states.iterdir())
             assert not leftovers, f"sampling requests wrote states: {leftovers[:3]}"
             hidden = extract_hidden_states(config, samples, target, events, server=shared)
         finally:

@@ -277,8 +277,8 @@ def build(
             eps=config.rms_norm_eps,
             d2t=draft.d2t,
         )
-    draft.defer_weight_gradients = defer
     objective = TTTObjective(draft, ttt_steps, step_weight=0.8, attention=attention)
+    objective.defer_weight_gradients = defer
     if compiled:
         objective.compile(loss_kernel)
     if group is not None:

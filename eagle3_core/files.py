@@ -54,6 +54,17 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def folder_identity(root: Path | str | None) -> list[tuple[str, int, int]] | None:
+    """(relative path, size, mtime_ns) of every file under `root` (None: None): what keys an input folder
+    too large to hash on every run (a target, a warm-start checkpoint), so that a new revision in the same
+    folder is new input."""
+    if root is None:
+        return None
+    folder = Path(root).expanduser()
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return [(str(p.relative_to(folder)), (st := p.stat()).st_size, st.st_mtime_ns) for p in files]
+
+
 def sha256_json(value: Any) -> str:
     """Digest of a JSON-able value, independent of key order."""
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()

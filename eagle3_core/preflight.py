@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_core.artifacts import HiddenStateSet, SampleSet, TargetModel
-from eagle3_core.config import PipelineConfig, ServerConfig
+from eagle3_core.config import PipelineConfig, ServerConfig, TrainingConfig
 from eagle3_core.events import PREFLIGHT, RunEvents
 from eagle3_core.files import free_bytes, sha256_file
 from eagle3_core.gpus import gpu_compute_apps, has_cuda_gpus
@@ -189,20 +189,15 @@ def preflight_extraction(
 
 
 def draft_parameters(
-    target: TargetModel, draft_vocab_size: int, layer_ids: list[int], architecture: str = "llama"
+    training: TrainingConfig, target: TargetModel, draft_vocab_size: int, layer_ids: list[int]
 ) -> tuple[int, int]:
-    """(trainable, frozen) parameters of the draft for this target, counted on the meta device (no memory).
-    ValueError where the architecture does not fit the target (an MLA draft for a target without MLA)."""
-    import torch
-
-    from eagle3_core.draft.model import DraftConfig, Eagle3Draft
+    """(trainable, frozen) parameters of the draft training trains for this target (its architecture,
+    recipe flags and `freeze_lm_head`: `draft.shape`). ValueError where the architecture does not fit."""
+    from eagle3_core.draft.shape import parameter_counts, trained_draft_config
 
     target_config = json.loads((target.root_path / "config.json").read_text())
-    shape = DraftConfig.from_target_config(target_config, draft_vocab_size, layer_ids, architecture)
-    with torch.device("meta"):
-        draft = Eagle3Draft(shape)
-    trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
-    return trainable, sum(p.numel() for p in draft.parameters()) - trainable
+    shape = trained_draft_config(training, target_config, draft_vocab_size, layer_ids)
+    return parameter_counts(shape, training.freeze_lm_head)
 
 
 def training_memory_bytes(trainable: int, frozen: int) -> int:
@@ -231,9 +226,7 @@ def preflight_training(
     parameters, frozen, architecture = 0, 0, None
     if not layers:
         try:
-            parameters, frozen = draft_parameters(
-                target, draft_vocab_size, hidden_states.layer_ids, tc.draft_architecture
-            )
+            parameters, frozen = draft_parameters(tc, target, draft_vocab_size, hidden_states.layer_ids)
         except ValueError as error:
             architecture = f"training.draft_architecture: {error} ({target.root_path / 'config.json'})"
     needed = checkpoint_bytes(parameters, tc.keep_checkpoints)

@@ -18,11 +18,11 @@ from eagle3_core.artifacts import ArtifactInvalid, SampleSet, TargetModel, Vocab
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.files import atomic_path
+from eagle3_core.phases import VOCAB, phase_key
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.table import is_heldout, iter_rows
 
-PHASE = "vocab"
-OUT_DIR = "vocab"
-FORMAT_VERSION = 1
+PHASE = VOCAB.name
 TENSOR_FILE = "vocab_map.safetensors"
 
 
@@ -68,11 +68,8 @@ def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
 
 
 def phase_config(config: PipelineConfig, target: TargetModel) -> dict:
-    return {
-        "format_version": FORMAT_VERSION,
-        "draft_vocab_size": min(config.vocab.draft_vocab_size, target.vocab_size),
-        "holdout_fraction": config.sampling.holdout_fraction,
-    }
+    """The fields marked content and the draft vocabulary size as capped at the target's."""
+    return {**phase_key(config, VOCAB), "draft_vocab_size": min(config.vocab.draft_vocab_size, target.vocab_size)}
 
 
 def load_vocab_tensors(vocab_map: VocabMap, sample_set_digest: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,14 +105,14 @@ def cached_vocab_map(out_dir: Path, cfg: dict, upstream: dict, events: RunEvents
 
 def build_vocab_map(config: PipelineConfig, sample_set: SampleSet, target: TargetModel, events: RunEvents) -> VocabMap:
     """Count, select, and write `<run_dir>/vocab/` (tensors + manifest); reuse only an exact match."""
-    out_dir = Path(config.run_dir) / OUT_DIR
+    out_dir = RunLayout.of(config).vocab
     cfg = phase_config(config, target)
     upstream = {"sample_set": sample_set.digest, "target": target.digest}
     cached = cached_vocab_map(out_dir, cfg, upstream, events)
     if cached is not None:
         events.record(PHASE, CACHE_HIT, f"vocab map at {out_dir} matches its inputs", digest=cached.digest)
         return cached
-    rows = (r for r in iter_rows(sample_set, "ok") if not is_heldout(r["id"], cfg["holdout_fraction"]))
+    rows = (r for r in iter_rows(sample_set, "ok") if not is_heldout(r["id"], config.sampling.holdout_fraction))
     counts = count_loss_tokens(rows, target.vocab_size)
     d2t, t2d = mapping_tensors(select_draft_tokens(counts, cfg["draft_vocab_size"]), target.vocab_size)
     tensor_path = out_dir / TENSOR_FILE

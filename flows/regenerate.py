@@ -21,11 +21,11 @@ from eagle3_core.artifacts import DraftCheckpoint, EvalReport
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.files import write_text_atomic
+from eagle3_core.run_layout import DraftLayout, RunLayout
 from flows.hooks import stop_engines
 from flows.train_drafter import run_pipeline
 
 PHASE = "regenerate"
-CURRENT = "current"
 
 
 class CurrentDrafter(BaseModel):
@@ -37,12 +37,8 @@ class CurrentDrafter(BaseModel):
     promoted_at: float = Field(description="Unix time of the promotion.")
 
 
-def current_dir(config: PipelineConfig) -> Path:
-    return Path(config.run_dir) / CURRENT
-
-
 def load_current(config: PipelineConfig) -> CurrentDrafter | None:
-    path = current_dir(config) / "current.json"
+    path = RunLayout.of(config).current.record
     return CurrentDrafter.model_validate_json(path.read_text()) if path.exists() else None
 
 
@@ -50,7 +46,7 @@ def warm_start_config(config: PipelineConfig) -> PipelineConfig:
     """The config with training warm-started from `current`'s exported drafter, when there is one."""
     if load_current(config) is None or config.training.warm_start is not None:
         return config
-    exported = current_dir(config) / "draft" / "export"
+    exported = RunLayout.of(config).current.draft.export
     training = config.training.model_copy(update={"warm_start": str(exported)})
     return config.model_copy(update={"training": training})
 
@@ -62,26 +58,26 @@ def is_better(report: EvalReport, current: CurrentDrafter | None) -> bool:
 def promote(config: PipelineConfig, checkpoint: DraftCheckpoint, report: EvalReport) -> Path:
     """Copy the exported drafter, its checkpoint manifest and its report to `current.new/` (not the
     training state: it is only for resuming, and large), then swap it in place of `current/`."""
-    target = current_dir(config)
-    staging = target.with_name(CURRENT + ".new")
-    retired = target.with_name(CURRENT + ".old")
+    current = RunLayout.of(config).current
+    staging, retired = current.beside(".new"), current.beside(".old")
     for stale in (staging, retired):
-        shutil.rmtree(stale, ignore_errors=True)
-    shutil.copytree(Path(checkpoint.root) / "export", staging / "draft" / "export")
-    shutil.copy2(Path(checkpoint.root) / f"{DraftCheckpoint.kind}.json", staging / "draft")
-    report.save(staging / f"{EvalReport.kind}.json")
+        shutil.rmtree(stale.root, ignore_errors=True)
+    draft = DraftLayout(checkpoint.root_path)
+    shutil.copytree(draft.export, staging.draft.export)
+    shutil.copy2(draft.root / f"{DraftCheckpoint.kind}.json", staging.draft.root)
+    report.save(staging.root / f"{EvalReport.kind}.json")
     record = CurrentDrafter(
         acceptance_length=report.acceptance_length,
         checkpoint_digest=checkpoint.digest,
         eval_report_digest=report.digest,
         promoted_at=time.time(),
     )
-    write_text_atomic(staging / "current.json", record.model_dump_json(indent=2))
-    if target.exists():
-        target.rename(retired)
-    staging.rename(target)
-    shutil.rmtree(retired, ignore_errors=True)
-    return target
+    write_text_atomic(staging.record, record.model_dump_json(indent=2))
+    if current.root.exists():
+        current.root.rename(retired.root)
+    staging.root.rename(current.root)
+    shutil.rmtree(retired.root, ignore_errors=True)
+    return current.root
 
 
 @flow(
@@ -99,7 +95,7 @@ def regenerate(config: PipelineConfig) -> EvalReport:
         baseline = f"{current.acceptance_length:.3f}" if current else "none"
         message = f"promoted drafter: acceptance length {report.acceptance_length:.3f} > {baseline}"
     else:
-        where = current_dir(config)
+        where = RunLayout.of(config).current.root
         message = (
             f"kept current drafter: acceptance length {report.acceptance_length:.3f} <= {current.acceptance_length:.3f}"
         )

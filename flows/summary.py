@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from eagle3_core.artifacts import DraftCheckpoint, EvalReport
 from eagle3_core.events import CACHE_HIT, WEIGHT_LOAD, RunEvents
+from eagle3_core.run_layout import DraftLayout, RunLayout
 from eagle3_core.training.curves import curves_markdown, embedded_png
 
 
@@ -114,7 +115,7 @@ def render_summary(
             lines += [f"Plot: `{plot_path}`", ""]
     if checkpoint is not None:
         lines += ["## Drafter", "", f"Checkpoint (step {checkpoint.step}): `{checkpoint.root}`"]
-        lines += [f"vLLM-loadable export: `{Path(checkpoint.root) / 'export'}`", ""]
+        lines += [f"vLLM-loadable export: `{DraftLayout(checkpoint.root_path).export}`", ""]
         curves = curves_markdown(Path(checkpoint.root))
         if curves is not None:
             lines += ["## Training curves", "", curves, ""]
@@ -129,13 +130,13 @@ def write_summary(
     checkpoint: DraftCheckpoint | None,
 ) -> tuple[str, Path]:
     """Render the summary, save it (and the plot) under `<run_dir>/summary/`; return (markdown, path)."""
-    out_dir = Path(run_dir) / "summary"
+    layout = RunLayout(Path(run_dir))
+    out_dir = layout.summary
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_path = None
     if report is not None and report.per_position:
         plot_path = out_dir / "acceptance.png"
         plot_path.write_bytes(acceptance_plot_png(report))
     markdown = render_summary(run_dir, started, phases, report, checkpoint, plot_path)
-    path = out_dir / "summary.md"
-    path.write_text(markdown)
-    return markdown, path
+    layout.summary_markdown.write_text(markdown)
+    return markdown, layout.summary_markdown

@@ -1,5 +1,6 @@
-"""Prefect task of the acceptance evaluation. Keyed on the evaluation settings (not request concurrency or device),
-the engine's numerics, the held-out split and the checkpoint, target and sample set measured."""
+"""Prefect task of the acceptance evaluation. Keyed on the evaluation settings (not device or thread count),
+vLLM's settings that change measurement (b), the acceptance floor (a new floor re-judges saved numbers), the
+held-out split and the checkpoint, target and sample set measured."""
 
 from __future__ import annotations
 
@@ -7,16 +8,12 @@ from prefect import task
 
 from eagle3_core.artifacts import DraftCheckpoint, EvalReport, SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
-from tasks.policy import SERVER_OPERATIONAL, PhaseCachePolicy, phase_task_options, run_gpu_phase
+from eagle3_core.phases import EVALUATION
+from tasks.policy import PhaseCachePolicy, phase_task_options, run_gpu_phase
 
-PHASE = "evaluation"
+PHASE = EVALUATION.name
 
-POLICY = PhaseCachePolicy(
-    phase=PHASE,
-    version=1,
-    include=("server", "evaluation", "sampling.holdout_fraction"),
-    exclude=(*SERVER_OPERATIONAL, "evaluation.concurrency", "evaluation.device"),
-)
+POLICY = PhaseCachePolicy(spec=EVALUATION)
 
 
 @task(**phase_task_options(POLICY))

@@ -1,6 +1,6 @@
 """Prefect task of phase 3, hidden-state extraction. Keyed on what changes the stored states (backend,
-layer ids, dtype, shard size, the held-out split, the engine's numerics), never on batch size,
-concurrency or device."""
+layer ids, storage dtype, shard size, the held-out split), never on batch size, concurrency, device or the
+engine's settings: shards are not re-extracted for another compute dtype (README, "Compute dtype")."""
 
 from __future__ import annotations
 
@@ -8,28 +8,13 @@ from prefect import task
 
 from eagle3_core.artifacts import HiddenStateSet, SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
+from eagle3_core.phases import EXTRACTION
 from eagle3_core.serving.shared import SharedServer
-from tasks.policy import SERVER_OPERATIONAL, PhaseCachePolicy, phase_task_options, run_gpu_phase
+from tasks.policy import PhaseCachePolicy, phase_task_options, run_gpu_phase
 
-PHASE = "extraction"
+PHASE = EXTRACTION.name
 
-POLICY = PhaseCachePolicy(
-    phase=PHASE,
-    version=1,
-    include=("server", "extraction", "sampling.holdout_fraction"),
-    exclude=(
-        *SERVER_OPERATIONAL,
-        "extraction.batch_size",
-        "extraction.concurrency",
-        "extraction.device",
-        "extraction.reuse_sampling_server",
-        "extraction.reuse_generation_penalty",
-        "extraction.reuse_load_gb_per_s",
-        "extraction.reuse_engine_start_s",
-        "extraction.reuse_generation_tokens_per_s",
-        "extraction.writer_threads",
-    ),
-)
+POLICY = PhaseCachePolicy(spec=EXTRACTION)
 
 
 @task(**phase_task_options(POLICY))

@@ -1,11 +1,12 @@
 """What every phase task shares: the content-keyed cache policy, the retry condition, and the per-run task
 options (result storage under the run root, timeout, retries with backoff).
 
-A phase's cache key is a digest of (phase name, phase format version, the config fields the phase reads,
-the content of inputs that live outside the config, the upstream manifests' digests). The task's source is
-NOT part of it: a comment edit must not invalidate a 25-minute extraction; a change of the on-disk format
-bumps the phase's version instead. A stored result is trusted only if its manifest still validates (its
-files exist, unchanged); otherwise the record is deleted and the phase runs again.
+A phase's cache key is a digest of (phase name, phase format version, every config field not marked
+operational for the phase: `eagle3_core.phases`, whose marks the core's resume keys come from too; the
+content of inputs that live outside the config; the upstream manifests' digests). The task's source is NOT
+part of it: a comment edit must not invalidate a 25-minute extraction; a change of the on-disk format bumps
+the phase's version instead. A stored result is trusted only if its manifest still validates (its files
+exist, unchanged); otherwise the record is deleted and the phase runs again.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from prefect.tasks import Task, exponential_backoff
 
 from eagle3_core.artifacts import ArtifactInvalid, Manifest
 from eagle3_core.config import ConfigError, PipelineConfig
-from eagle3_core.dtypes import with_resolved_dtypes
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.faults import InjectedFault, check_fault, faulting_progress
 from eagle3_core.files import DiskFullError, sha256_json
+from eagle3_core.phases import KEYED_ROLES, PhaseSpec, keyed_fields
 from eagle3_core.preflight import PreflightError
 from eagle3_core.progress import ProgressCallback
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.serving.engine import EngineDied
 from tasks.gpu import phase_slot
 from tasks.progress import PrefectProgress
@@ -40,68 +42,24 @@ ExtraContent = Callable[[PipelineConfig], Any]
 R = TypeVar("R")
 
 
-# Server fields that change how fast or where an engine runs, never what it computes.
-SERVER_OPERATIONAL = (
-    "server.host",
-    "server.port",
-    "server.api_key_env",
-    "server.api_key_secret",
-    "server.gpu_memory_utilization",
-    "server.env",
-    "server.startup_timeout_s",
-    "server.stall_timeout_s",
-    "server.stop_grace_s",
-    "server.gpu_release_timeout_s",
-)
-
-
-def config_node(data: dict[str, Any], path: str) -> Any:
-    """The value at dotted `path` of a config dump; a path that names no field is a `ValueError`, so a
-    misspelled include or exclude path fails instead of silently keying on too much."""
-    node: Any = data
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise ValueError(f"cache policy path {path!r} names no field of the configuration")
-        node = node[part]
-    return node
-
-
-def select_fields(data: dict[str, Any], include: tuple[str, ...], exclude: tuple[str, ...]) -> dict[str, Any]:
-    """The dotted paths `include` of a config dump (whole sections or single fields), minus `exclude`.
-    Every path must name a field of `data` (`config_node`)."""
-    selected: dict[str, Any] = {path: config_node(data, path) for path in include}
-    for path in exclude:
-        config_node(data, path)
-        section, _, name = path.rpartition(".")
-        if isinstance(selected.get(section), dict):
-            selected[section] = {k: v for k, v in selected[section].items() if k != name}
-        selected.pop(path, None)
-    return selected
-
-
 def as_config(value: Any) -> PipelineConfig:
     return value if isinstance(value, PipelineConfig) else PipelineConfig.model_validate(value)
 
 
 @dataclass
 class PhaseCachePolicy(CachePolicy):
-    """Content key of one phase (see the module docstring). `include`/`exclude` are dotted config paths;
-    `extra` returns the content of inputs the config only names (prompt files, a local target folder)."""
+    """Content key of one phase (see the module docstring): its declaration's name and version, and every
+    config field not marked operational for it (`eagle3_core.phases`); `extra` returns the content of
+    inputs the config only names (prompt files, a local target folder, a warm-start checkpoint)."""
 
-    phase: str = ""
-    version: int = 1
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
+    spec: PhaseSpec = field(kw_only=True)
     extra: ExtraContent | None = field(default=None)
 
     def key_content(self, config: PipelineConfig, upstream: dict[str, Manifest]) -> dict[str, Any]:
         return {
-            "phase": self.phase,
-            "version": self.version,
-            # `auto` dtypes as this host resolves them: `auto` and the dtype it stands for share a key.
-            "config": select_fields(
-                with_resolved_dtypes(config.model_dump(mode="json"), config), self.include, self.exclude
-            ),
+            "phase": self.spec.name,
+            "version": self.spec.version,
+            "config": keyed_fields(config, self.spec.name, KEYED_ROLES),
             "extra": self.extra(config) if self.extra else None,
             "upstream": {name: manifest.digest for name, manifest in sorted(upstream.items())},
         }
@@ -115,10 +73,10 @@ class PhaseCachePolicy(CachePolicy):
     ) -> str:
         config = as_config(inputs["config"])
         upstream = {name: value for name, value in inputs.items() if isinstance(value, Manifest)}
-        key = f"{self.phase}-{sha256_json(self.key_content(config, upstream))}"
+        key = f"{self.spec.name}-{sha256_json(self.key_content(config, upstream))}"
         refreshing = bool(task_ctx.task.refresh_cache)
         if not refreshing:
-            drop_invalid_record(task_ctx, key, self.phase, RunEvents(config.run_dir))
+            drop_invalid_record(task_ctx, key, self.spec.name, RunEvents(config.run_dir))
         return key
 
 
@@ -208,7 +166,7 @@ def retry_transient(task: Task, task_run: Any, state: Any) -> bool:
 
 def result_storage_dir(config: PipelineConfig) -> Path:
     """Where task results (JSON manifests) persist: the configured path, or under the run root."""
-    path = config.orchestration.result_storage or Path(config.run_dir) / ".prefect" / "results"
+    path = config.orchestration.result_storage or RunLayout.of(config).prefect_results
     return Path(path).expanduser().resolve()
 
 
@@ -231,7 +189,7 @@ def configured(task: Task, config: PipelineConfig, phase: str) -> Task:
 def phase_task_options(policy: PhaseCachePolicy) -> dict[str, Any]:
     """Decorator options shared by every phase task (the per-run ones are set by `configured`)."""
     return {
-        "name": policy.phase,
+        "name": policy.spec.name,
         "cache_policy": policy,
         "persist_result": True,
         "result_serializer": "json",

@@ -1,5 +1,5 @@
-"""Prefect task of phase 1, serve and sample. Keyed on the sampling and server settings that change what
-is generated, and on the prompt files' contents (a file edited in place is new data, under the same name)."""
+"""Prefect task of phase 1, serve and sample. Keyed on the sampling and server settings marked content (what
+is generated), and on the prompt files' contents (a file edited in place is new data, under the same name)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from prefect import task
 from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.files import sha256_file
+from eagle3_core.phases import SAMPLING
 from eagle3_core.sampling.prompts import DEMO, demo_prompts_path
 from eagle3_core.serving.shared import SharedServer
-from tasks.policy import SERVER_OPERATIONAL, PhaseCachePolicy, phase_task_options, run_gpu_phase
+from tasks.policy import PhaseCachePolicy, phase_task_options, run_gpu_phase
 
-PHASE = "sampling"
+PHASE = SAMPLING.name
 
 
 def prompt_files_content(config: PipelineConfig) -> dict[str, str]:
@@ -27,18 +28,7 @@ def prompt_files_content(config: PipelineConfig) -> dict[str, str]:
     return digests
 
 
-POLICY = PhaseCachePolicy(
-    phase=PHASE,
-    version=1,
-    include=("server", "sampling"),
-    exclude=(
-        *SERVER_OPERATIONAL,
-        "sampling.concurrency",
-        "sampling.request_timeout_s",
-        "sampling.retry_backoff_s",
-    ),
-    extra=prompt_files_content,
-)
+POLICY = PhaseCachePolicy(spec=SAMPLING, extra=prompt_files_content)
 
 
 @task(**phase_task_options(POLICY))

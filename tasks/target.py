@@ -4,29 +4,28 @@ cost more than the phase), so a new target revision in the same folder runs the 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import task
 
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
+from eagle3_core.files import folder_identity
+from eagle3_core.phases import PREPARE_TARGET
 from eagle3_core.target.prepare import EMBEDDED, embedded_gguf, prepare_target
 from tasks.policy import PhaseCachePolicy, phase_task_options, run_phase
 
-PHASE = "prepare_target"
+PHASE = PREPARE_TARGET.name
 
 
-def target_files_identity(config: PipelineConfig) -> list[tuple[str, int, int]]:
+def target_files_identity(config: PipelineConfig) -> list[tuple[str, int, int]] | None:
     """(name, size, mtime_ns) of the embedded GGUF or of every file in the local target folder."""
     if config.target.model in EMBEDDED:
-        files = [embedded_gguf(config.target.model)]
-    else:
-        files = sorted(p for p in Path(config.target.model).expanduser().rglob("*") if p.is_file())
-    return [(p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in files]
+        gguf = embedded_gguf(config.target.model)
+        return [(gguf.name, (st := gguf.stat()).st_size, st.st_mtime_ns)]
+    return folder_identity(config.target.model)
 
 
-POLICY = PhaseCachePolicy(phase=PHASE, version=1, include=("target",), extra=target_files_identity)
+POLICY = PhaseCachePolicy(spec=PREPARE_TARGET, extra=target_files_identity)
 
 
 @task(**phase_task_options(POLICY))

@@ -1,45 +1,29 @@
-"""Prefect task of draft training. Keyed on the training settings (not device, sharding, compilation or
-checkpointing), the upstream manifests and, for a warm start, the content of the checkpoint started from:
+"""Prefect task of draft training. Keyed on the training settings marked content (not device, sharding,
+compilation or checkpointing), the upstream manifests and, for a warm start, the files of the checkpoint
+started from:
 the nightly run warm-starts from `current`, a folder whose name stays while its drafter changes. The
 training curves (`<run_dir>/draft/training_curves.png`) become the `training-curves` artifact."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap
 from eagle3_core.config import PipelineConfig
+from eagle3_core.files import folder_identity
+from eagle3_core.phases import TRAINING
 from eagle3_core.training.curves import curves_markdown
 from tasks.policy import PhaseCachePolicy, phase_task_options, run_gpu_phase
 
-PHASE = "training"
+PHASE = TRAINING.name
 
 
-def warm_start_content(config: PipelineConfig) -> list[tuple[str, int, int]] | None:
-    """(file, size, mtime_ns) of every file of the warm-start checkpoint, or None for a fresh start."""
-    if config.training.warm_start is None:
-        return None
-    root = Path(config.training.warm_start).expanduser()
-    files = sorted(p for p in root.rglob("*") if p.is_file())
-    return [(str(p.relative_to(root)), (st := p.stat()).st_size, st.st_mtime_ns) for p in files]
+def warm_start_identity(config: PipelineConfig) -> list[tuple[str, int, int]] | None:
+    return folder_identity(config.training.warm_start)
 
 
-POLICY = PhaseCachePolicy(
-    phase=PHASE,
-    version=1,
-    include=("training",),
-    exclude=(
-        "training.device",
-        "training.checkpoint_every",
-        "training.keep_checkpoints",
-        "training.sharding",
-        "training.compile",
-    ),
-    extra=warm_start_content,
-)
+POLICY = PhaseCachePolicy(spec=TRAINING, extra=warm_start_identity)
 
 
 @task(**phase_task_options(POLICY))

@@ -8,11 +8,12 @@ from prefect import task
 from eagle3_core.artifacts import SampleSet, TargetModel, VocabMap
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
+from eagle3_core.phases import VOCAB
 from tasks.policy import PhaseCachePolicy, phase_task_options, run_phase
 
-PHASE = "vocab"
+PHASE = VOCAB.name
 
-POLICY = PhaseCachePolicy(phase=PHASE, version=1, include=("vocab", "sampling.holdout_fraction"))
+POLICY = PhaseCachePolicy(spec=VOCAB)
 
 
 @task(**phase_task_options(POLICY))

@@ -18,8 +18,11 @@ Conventions (the same in training and decoding, and in vLLM):
   ranks (vLLM's `deepseek_eagle3`), whose names and math are vLLM's `DeepseekV2MLAAttention`'s. The rest
   of the layer (norms, residual, dense MLP, fc, lm_head) is the same in both.
 
-Imports only torch (no pydantic), so the GPU benchmark runs it on a bare torch install. It knows nothing of how
-it is trained (the attention of a training unroll is handed in) or exported (`eagle3_core.draft.export`).
+Imports only torch (no pydantic), so the GPU benchmark runs it on a bare torch install. It holds the weights,
+the blocks, one decoding step and `from_target`, and knows nothing of how it is trained (the train-time-test
+unroll, its deferred weight gradients and DDP's gradient layout are `eagle3_core.training`'s: `unroll`,
+`deferred_grad`, `distributed`; the attention of an unroll and its `Weights` are handed in) or exported
+(`eagle3_core.draft.export`).
 """
 
 from __future__ import annotations
@@ -32,19 +35,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3_core.draft.deferred_grad import defer_gradients, project
 
-Weights = dict[str, torch.Tensor]
-"""Projection matrices of the draft layer in the compute dtype, fused for fewer, larger matrix products:
-`qkv_embed` / `qkv_hidden` [Nqkv, H] (the rows of the attention's first projection over the embedding /
-hidden half of the 2H input: Llama's q, k, v; MLA's q (or its latent) and kv latent + rope key), `o_proj`,
-`gate_up` [2I, H] (gate rows, then up rows), `down_proj`; MLA also `kv_b_proj` and, with a q latent,
-`q_b_proj`."""
+class Weights(dict[str, torch.Tensor]):
+    """Projection matrices of the draft layer in the compute dtype, fused for fewer, larger matrix products:
+    `qkv_embed` / `qkv_hidden` [Nqkv, H] (the rows of the attention's first projection over the embedding /
+    hidden half of the 2H input: Llama's q, k, v; MLA's q (or its latent) and kv latent + rope key), `o_proj`,
+    `gate_up` [2I, H] (gate rows, then up rows), `down_proj`; MLA also `kv_b_proj` and, with a q latent,
+    `q_b_proj`. The layer's every product with them is `project`, which training overrides
+    (`eagle3_core.training.deferred_grad.DeferredWeights`)."""
+
+    def project(self, x: torch.Tensor, name: str, base: torch.Tensor | None = None) -> torch.Tensor:
+        """[base +] x [..., in] @ self[name]^T (with `base`: x and base 2-D, added inside the GEMM)."""
+        return F.linear(x, self[name]) if base is None else torch.addmm(base, x, self[name].t())
+
+
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(q [B,Hq,T,D], k [B,Hkv,T,D], v [B,Hkv,T,Dv]) -> attention output [B,Hq,T,Dv], scores scaled by
 1/sqrt(D). Llama: Dv = D; MLA: D = nope + rope head dims, Dv = v_head_dim, Hkv = Hq."""
-WeightRegion = tuple[list[nn.Parameter], dict[str, slice]]
-"""Parameters stacked by rows into one [rows, cols] matrix, and the `Weights` entries filling its columns."""
 
 
 @dataclass
@@ -251,9 +258,9 @@ class MLADraftAttention(nn.Module):
         q_width = self.q_lora_rank or self.heads * self.head_dim
         q, latent, k_rope = qkv.split([q_width, self.kv_lora_rank, self.rope], dim=-1)
         if self.q_lora_rank:
-            q = project(self.q_a_layernorm(q).to(qkv.dtype), weights, "q_b_proj")  # [B, T, Hq*(nope+rope)]
+            q = weights.project(self.q_a_layernorm(q).to(qkv.dtype), "q_b_proj")  # [B, T, Hq*(nope+rope)]
         q = q.view(batch, length, self.heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, nope + rope]
-        kv = project(self.kv_a_layernorm(latent).to(qkv.dtype), weights, "kv_b_proj")  # [B, T, Hq*(nope+Dv)]
+        kv = weights.project(self.kv_a_layernorm(latent).to(qkv.dtype), "kv_b_proj")  # [B, T, Hq*(nope+Dv)]
         k_nope, v = kv.view(batch, length, self.heads, -1).transpose(1, 2).split([self.nope, self.v_dim], dim=-1)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         q = torch.cat([q_nope, apply_rotary_interleaved(q_rope, positions, self.rope_theta)], dim=-1)
@@ -273,8 +280,8 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, weights: Weights) -> torch.Tensor:
-        gate, up = project(x, weights, "gate_up").chunk(2, dim=-1)  # [B, T, I] each
-        return project(F.silu(gate) * up, weights, "down_proj")
+        gate, up = weights.project(x, "gate_up").chunk(2, dim=-1)  # [B, T, I] each
+        return weights.project(F.silu(gate) * up, "down_proj")
 
 
 class DraftLayer(nn.Module):
@@ -289,47 +296,23 @@ class DraftLayer(nn.Module):
         self.self_attn = ARCHITECTURES[config.architecture](config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DraftMLP(config)
-        # Training under DDP: takes the cast weights and returns the ones the unroll uses (gradient leaves
-        # whose all-reduce starts as soon as each is complete: `training.distributed.LayerGradientSync`).
-        self.gradient_sync: Callable[[Weights], Weights] | None = None
-
-    def projection_weights(self, dtype: torch.dtype) -> Weights:
-        """The layer's projection matrices in the compute dtype (see `Weights`), cast ONCE per
-        train-time-test unroll and shared by its steps. (Cast inside each compiled step instead, every step
-        would pay a cast forward and an fp32 cast + accumulate of its weight gradient backward; shared, the
-        steps' bf16 gradients are summed once per unroll, as autocast's own weight cache does in eager mode.)
-        With `gradient_sync` set (DDP training) the casts are handed to it outside autograd."""
-        if self.gradient_sync is None or not torch.is_grad_enabled():
-            return self.cast_weights(dtype)
-        with torch.no_grad():
-            weights = self.cast_weights(dtype)
-        return self.gradient_sync(weights)
-
-    def projection_layout(self) -> list[WeightRegion]:
-        """Where each `Weights` entry's gradient lands: the first projection's (gate/up) rows stacked as in
-        the fused matrix, the embedding and hidden halves of the first projection its column halves."""
-        attn, mlp = self.self_attn, self.mlp
-        first = attn.first_projection()
-        half = first[0].shape[1] // 2
-        return [
-            (first, {"qkv_embed": slice(0, half), "qkv_hidden": slice(half, 2 * half)}),
-            *(([weight], {name: slice(None)}) for name, weight in attn.inner_weights().items()),
-            ([mlp.gate_proj.weight, mlp.up_proj.weight], {"gate_up": slice(None)}),
-            ([mlp.down_proj.weight], {"down_proj": slice(None)}),
-        ]
 
     def cast_weights(self, dtype: torch.dtype) -> Weights:
-        """`Weights` from the parameters, through autograd (one cast node per matrix)."""
+        """`Weights` from the parameters in the compute dtype, through autograd (one cast node per matrix).
+        A training unroll casts them ONCE and shares them among its steps (cast inside each compiled step
+        instead, every step would pay a cast forward and an fp32 cast + accumulate of its weight gradient
+        backward; shared, the steps' bf16 gradients are summed once per unroll, as autocast's own weight
+        cache does in eager mode)."""
         attn, mlp = self.self_attn, self.mlp
         qkv = torch.cat(attn.first_projection()).to(dtype)  # [Nqkv, 2H]
         half = qkv.shape[1] // 2
-        return {
-            "qkv_embed": qkv[:, :half].contiguous(),
-            "qkv_hidden": qkv[:, half:].contiguous(),
+        return Weights(
+            qkv_embed=qkv[:, :half].contiguous(),
+            qkv_hidden=qkv[:, half:].contiguous(),
             **{name: weight.to(dtype) for name, weight in attn.inner_weights().items()},
-            "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(dtype),
-            "down_proj": mlp.down_proj.weight.to(dtype),
-        }
+            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(dtype),
+            down_proj=mlp.down_proj.weight.to(dtype),
+        )
 
     def embed_projection(self, embeds: torch.Tensor, weights: Weights) -> torch.Tensor:
         """embeds [B, T, H] -> the embedding half's share of q/k/v, [B, T, Nqkv]. Linear, so training
@@ -345,7 +328,7 @@ class DraftLayer(nn.Module):
         batch, length, _ = hidden.shape
         x = self.hidden_norm(hidden).to(weights["qkv_hidden"].dtype).reshape(batch * length, -1)  # [B*T, H]
         base = embed_proj.reshape(batch * length, -1)
-        qkv = project(x, weights, "qkv_hidden", base).view(batch, length, -1)  # [B, T, Nqkv]
+        qkv = weights.project(x, "qkv_hidden", base).view(batch, length, -1)  # [B, T, Nqkv]
         return self.self_attn.split_heads(qkv, positions, weights)
 
     def finish(self, hidden: torch.Tensor, attended: torch.Tensor, weights: Weights) -> torch.Tensor:
@@ -353,7 +336,7 @@ class DraftLayer(nn.Module):
         output [B, T, H]."""
         batch, heads, length, dim = attended.shape
         merged = attended.to(weights["o_proj"].dtype).transpose(1, 2).reshape(batch, length, heads * dim)
-        hidden = hidden + project(merged, weights, "o_proj")
+        hidden = hidden + weights.project(merged, "o_proj")
         return hidden + self.mlp(self.post_attention_layernorm(hidden).to(weights["gate_up"].dtype), weights)
 
     def forward(
@@ -367,7 +350,7 @@ class DraftLayer(nn.Module):
     ) -> torch.Tensor:
         """hidden, embeds [B, T, H] -> pre-norm output [B, T, H] (the state fed to the next draft step).
         `embed_proj`: `embed_projection(embeds)` when the caller already has it (training)."""
-        weights = weights if weights is not None else self.projection_weights(compute_dtype(self.mlp.up_proj.weight))
+        weights = weights if weights is not None else self.cast_weights(compute_dtype(self.mlp.up_proj.weight))
         embed_proj = embed_proj if embed_proj is not None else self.embed_projection(embeds, weights)
         q, k, v = self.attention_inputs(hidden, embed_proj, positions, weights)
         residual = self.hidden_norm(hidden).to(hidden.dtype) if self.norm_before_residual else hidden
@@ -399,9 +382,9 @@ class DraftKVCache:
 
 
 class Eagle3Draft(nn.Module):
-    """Training: `forward` unrolls train-time test over a packed batch. Decoding: `step` / `propose` with
-    a `DraftKVCache`. Construction: `from_target` (fresh); `eagle3_core.draft.export.load_exported` reads an
-    exported folder back."""
+    """Building blocks for training (`eagle3_core.training.unroll` unrolls train-time test with them).
+    Decoding: `step` / `propose` with a `DraftKVCache`. Construction: `from_target` (fresh);
+    `eagle3_core.draft.export.load_exported` reads an exported folder back."""
 
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -421,9 +404,6 @@ class Eagle3Draft(nn.Module):
         )
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-        # Training: each projection matrix's K step gradients summed inside the GEMMs (`deferred_grad.py`);
-        # off, autograd sums them (the same function; the benchmark times both).
-        self.defer_weight_gradients = True
 
     # ---- building blocks -------------------------------------------------------------------------------
     def combine_aux(self, aux: torch.Tensor) -> torch.Tensor:
@@ -466,39 +446,6 @@ class Eagle3Draft(nn.Module):
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
-
-    # ---- training ----------------------------------------------------------------------------------------
-    def forward(
-        self,
-        aux: torch.Tensor,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        attend: Attend,
-        ttt_steps: int,
-    ) -> list[torch.Tensor]:
-        """Train-time test over packed sequences: aux [B, T, 3, Ht], input_ids/position_ids [B, T] -> one
-        pre-norm state [B, T, H] per step. Step k at index i predicts token i+k+2; its inputs are the token
-        i+k+1 and (k > 0) the draft's own step k-1 state at index i (`next_state`), at position i+k. `attend`
-        is called once per step, in order, with that step's (q, k, v); the caller's callable decides what
-        each entry sees (in training: step-0 entries j <= i of the same document and its own chain, entries
-        i of steps 1..k) and keeps the earlier steps' keys and values."""
-        length = input_ids.shape[1]
-        # Embedded once, padded with ttt_steps zero ids: step k reads a view (tokens i+k+1 at index i);
-        # the padding only reaches indices whose predicted token lies past the end, never scored.
-        embeds = self.embed(F.pad(input_ids, (0, ttt_steps)))  # [B, T + K, H]
-        hidden = self.combine_aux(aux)  # [B, T, H]
-        weights = self.midlayer.projection_weights(compute_dtype(self.fc.weight))
-        if self.defer_weight_gradients and torch.is_grad_enabled():
-            hidden, weights = defer_gradients(hidden, weights, once=("qkv_embed",))
-        embed_proj = self.midlayer.embed_projection(embeds, weights)  # [B, T + K, Nqkv], shared by the steps
-        states = []
-        for step in range(ttt_steps):  # step 0: target states; step k > 0: the draft's own step k-1 output
-            step_embeds = embeds[:, step + 1 : step + 1 + length]
-            step_proj = embed_proj[:, step + 1 : step + 1 + length]
-            output = self.midlayer(hidden, step_embeds, position_ids + step, attend, weights, step_proj)
-            states.append(output)
-            hidden = self.next_state(output)
-        return states
 
     # ---- decoding ----------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_core.artifacts import DraftCheckpoint, EvalReport, SampleSet, TargetModel, record_files
-from eagle3_core.config import PipelineConfig
+from eagle3_core.config import VERDICT, VLLM, PipelineConfig
 from eagle3_core.dtypes import resolved_config
 from eagle3_core.evaluation.prompts import (
     EvalPrompt,
@@ -27,17 +27,17 @@ from eagle3_core.evaluation.report import AcceptanceBelowFloor, guard_message, p
 from eagle3_core.evaluation.stats import AcceptanceStats
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
 from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.phases import EVALUATION, keyed_fields, phase_key
 from eagle3_core.preflight import preflight_evaluation
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
+from eagle3_core.run_layout import DraftLayout, RunLayout
 
-PHASE = "evaluation"
-FORMAT_VERSION = 1
-SERVER_FIELDS_MEASURED = ("tensor_parallel_size", "max_model_len", "dtype", "enforce_eager", "extra_args", "env")
+PHASE = EVALUATION.name
 
 
 def export_dir(checkpoint: DraftCheckpoint) -> Path:
     """The vLLM-loadable folder of a checkpoint: `<root>/export/` (or the root itself if it is one)."""
-    for folder in (checkpoint.root_path / "export", checkpoint.root_path):
+    for folder in (DraftLayout(checkpoint.root_path).export, checkpoint.root_path):
         if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
             return folder
     raise FileNotFoundError(f"{checkpoint.root}: no exported draft (export/config.json + model.safetensors)")
@@ -64,22 +64,12 @@ def collect_prompts(config: PipelineConfig, sample_set: SampleSet | None) -> dic
 def measurement_keys(
     config: PipelineConfig, upstream: dict[str, str], prompts: dict[str, list[EvalPrompt]]
 ) -> tuple[str, str]:
-    """Digests of what (a) and (b) depend on. Neither includes the guard's floor (a new floor re-judges
-    saved numbers) nor the thread count; (a) leaves out the vLLM-only fields, so it is reused when only
-    those change."""
-    vllm_only = {"with_vllm", "concurrency", "near_tie_logit_gap"}
-    evaluation = config.evaluation.model_dump(mode="json", exclude={"acceptance_floor", "cpu_threads"} | vllm_only)
-    fields = {
-        "evaluation": evaluation,
-        "holdout_fraction": config.sampling.holdout_fraction,
-        "prompts": {name: [p.id for p in ps] for name, ps in prompts.items()},
-    }
-    key_a = sha256_json({"phase": PHASE, "version": FORMAT_VERSION, "config": fields, "upstream": upstream})
-    vllm_fields = {
-        "server": config.server.model_dump(mode="json", include=set(SERVER_FIELDS_MEASURED)),
-        **config.evaluation.model_dump(mode="json", include=vllm_only),
-    }
-    return key_a, sha256_json({"transformers": key_a, **vllm_fields})
+    """Digests of what (a) and (b) depend on: (a) the fields marked content for evaluation and the prompts,
+    (b) those and the fields marked vllm, so (a) is reused when only vLLM's settings change. Neither holds
+    a verdict field: a new floor re-judges saved numbers."""
+    measured = {name: [p.id for p in ps] for name, ps in prompts.items()}
+    key_a = sha256_json({**phase_key(config, EVALUATION), "prompts": measured, "upstream": upstream})
+    return key_a, sha256_json({"transformers": key_a, **keyed_fields(config, PHASE, (VLLM,))})
 
 
 def load_saved(path: Path, key: str) -> dict[str, Any] | None:
@@ -234,7 +224,7 @@ def evaluate_draft(
     pooled position-0 acceptance of (a) or (b) is below `evaluation.acceptance_floor`.
     `sample_set` None measures HumanEval only (no project prompts, nothing to check overlap against)."""
     config = resolved_config(config)  # `auto` dtypes as this host runs them, in keys and in the report
-    eval_dir = Path(config.run_dir) / "eval"
+    eval_dir = RunLayout.of(config).eval
     draft_dir = export_dir(checkpoint)
     upstream = {"draft_checkpoint": checkpoint.digest, "target_model": target.digest}
     if sample_set is not None:
@@ -243,7 +233,7 @@ def evaluate_draft(
         raise ValueError("evaluation.with_transformers and evaluation.with_vllm are both false: nothing to measure")
     prompts = collect_prompts(config, sample_set)
     key_a, key = measurement_keys(config, upstream, prompts)
-    existing = cached_report(eval_dir, key, config.evaluation.acceptance_floor)
+    existing = cached_report(eval_dir, key, verdict_fields(config))
     if existing is not None:
         events.record(PHASE, CACHE_HIT, f"evaluation of {draft_dir} already done", path=str(eval_dir))
         return guard(existing)
@@ -285,7 +275,7 @@ def build_report(
     return EvalReport(
         root=str(eval_dir),
         files=record_files(eval_dir, paths + measurement_files),
-        config={"key": key, "evaluation": evaluation.model_dump(mode="json")},
+        config={"key": key, "verdict": verdict_fields(config), "evaluation": evaluation.model_dump(mode="json")},
         upstream=upstream,
         num_speculative_tokens=k,
         acceptance_length=(hf_stats or vllm_stats or AcceptanceStats(k)).acceptance_length,
@@ -299,13 +289,17 @@ def build_report(
     )
 
 
-def cached_report(eval_dir: Path, key: str, floor: float) -> EvalReport | None:
-    """The saved report of the same inputs and floor with all its files intact, or None."""
+def verdict_fields(config: PipelineConfig) -> dict[str, Any]:
+    """The fields that judge saved measurements (the acceptance floor), as marked on the fields."""
+    return keyed_fields(config, PHASE, (VERDICT,))
+
+
+def cached_report(eval_dir: Path, key: str, verdict: dict[str, Any]) -> EvalReport | None:
+    """The saved report of the same inputs and verdict fields with all its files intact, or None."""
     report = EvalReport.load_valid(eval_dir)
     if report is None:
         return None
-    same_floor = report.config.get("evaluation", {}).get("acceptance_floor") == floor
-    return report if report.config.get("key") == key and same_floor else None
+    return report if report.config.get("key") == key and report.config.get("verdict") == verdict else None
 
 
 def guard(report: EvalReport) -> EvalReport:

@@ -29,10 +29,11 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.evaluation.prompts import EvalPrompt
 from eagle3_core.evaluation.stats import AcceptanceStats
 from eagle3_core.events import DECISION, RunEvents
+from eagle3_core.phases import EVALUATION
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
 from eagle3_core.serving.engine import attention_backend
 
-PHASE = "evaluation"
+PHASE = EVALUATION.name
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_core.extraction.storage import LAST_STATE_NORMED, SampleStates, quantize_fp8
+from eagle3_core.extraction.storage import LAST_STATE_NORMED, SampleRow, SampleStates, quantize_fp8
 
 
 def resolve_device(device: str) -> torch.device:
@@ -120,7 +120,7 @@ class HfBackend:
             states["last"], states["last_scale"] = quantize_fp8(last)
         return {name: to_host(tensor) for name, tensor in states.items()}
 
-    def extract(self, rows: list[dict]) -> tuple[list[SampleStates], object | None]:
+    def extract(self, rows: list[SampleRow]) -> tuple[list[SampleStates], object | None]:
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))
         states: dict[int, SampleStates] = {}
         for start in range(0, len(order), self.batch_size):

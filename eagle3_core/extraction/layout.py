@@ -1,13 +1,11 @@
-"""What the extraction phase and its backends agree on: the folder under `run_dir` the phase writes, and
-the target layers whose states it stores. Below both, so a backend never imports the phase."""
+"""What the extraction phase and its backends agree on: the target layers whose states it stores. Below
+both, so a backend never imports the phase."""
 
 from __future__ import annotations
 
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import ConfigError, PipelineConfig
 from eagle3_core.target.models import check_layer_ids, default_aux_layer_ids
-
-OUT_DIR = "hidden_states"
 
 
 def resolve_layer_ids(config: PipelineConfig, target: TargetModel) -> list[int]:

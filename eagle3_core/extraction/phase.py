@@ -20,40 +20,36 @@ from eagle3_core.artifacts import ArtifactInvalid, FileRecord, HiddenStateSet, S
 from eagle3_core.config import ExtractionConfig, PipelineConfig
 from eagle3_core.dtypes import resolve_dtype
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
-from eagle3_core.extraction.layout import OUT_DIR, resolve_layer_ids
+from eagle3_core.extraction.layout import resolve_layer_ids
 from eagle3_core.extraction.reader import INDEX_FILE
 from eagle3_core.extraction.storage import (
     LAST_STATE_NORMED,
     BackgroundShardWriter,
+    ExtractionBackend,
+    SampleRow,
     SampleStates,
     bytes_per_token,
     check_sample,
     shard_name,
 )
 from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.phases import EXTRACTION, phase_key
 from eagle3_core.preflight import preflight_extraction
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.table import is_heldout, iter_rows
 
-PHASE = "extraction"
-FORMAT_VERSION = 1
+PHASE = EXTRACTION.name
 DONE_SUFFIX = ".done.json"
 
 
 def phase_config(config: PipelineConfig, target: TargetModel) -> dict[str, Any]:
-    """The config fields that change what is stored (batch size, concurrency and device do not)."""
-    ex = config.extraction
-    return {
-        "format_version": FORMAT_VERSION,
-        "backend": ex.backend,
-        "layer_ids": resolve_layer_ids(config, target),
-        "dtype": ex.dtype,
-        "samples_per_shard": ex.samples_per_shard,
-        "holdout_fraction": config.sampling.holdout_fraction,
-    }
+    """The fields marked content (what is stored; not batch size, concurrency, device or the engine) and
+    the layer ids as resolved for this target."""
+    return {**phase_key(config, EXTRACTION), "layer_ids": resolve_layer_ids(config, target)}
 
 
-def training_rows(sample_set: SampleSet, holdout_fraction: float) -> list[dict]:
+def training_rows(sample_set: SampleSet, holdout_fraction: float) -> list[SampleRow]:
     """Ok rows that are not held out for evaluation, in the SampleSet's order."""
     return [
         row
@@ -62,11 +58,11 @@ def training_rows(sample_set: SampleSet, holdout_fraction: float) -> list[dict]:
     ]
 
 
-def plan_shards(rows: list[dict], samples_per_shard: int) -> list[list[dict]]:
+def plan_shards(rows: list[SampleRow], samples_per_shard: int) -> list[list[SampleRow]]:
     return [rows[i : i + samples_per_shard] for i in range(0, len(rows), samples_per_shard)]
 
 
-def shard_key(key: str, rows: list[dict]) -> str:
+def shard_key(key: str, rows: list[SampleRow]) -> str:
     """A shard is done for this plan when the phase settings, the target and the very token ids of its
     samples are the same. The SampleSet digest is left out on purpose: new prompts change it, and must
     cost only the shards that hold new samples (the nightly run extracts only what is new)."""
@@ -104,7 +100,7 @@ def cached_manifest(out_dir: Path, config: dict, upstream: dict) -> HiddenStateS
 @contextmanager
 def open_hf_backend(
     config: PipelineConfig, target: TargetModel, layer_ids: list[int], events: RunEvents, progress: ProgressCallback
-) -> Iterator[Any]:
+) -> Iterator[ExtractionBackend]:
     """Load the target with transformers (one full weight load) and release it on exit."""
     import torch
 
@@ -133,7 +129,7 @@ def open_backend(
     progress: ProgressCallback,
     server: Any,
     max_tokens: int,
-) -> Iterator[Any]:
+) -> Iterator[ExtractionBackend]:
     """Start the configured backend (one full weight load, none when `server` is handed in); stop it on exit."""
     if config.extraction.backend == "hf":
         with open_hf_backend(config, target, layer_ids, events, progress) as backend:
@@ -154,7 +150,7 @@ def extract_hidden_states(
     server: Any = None,
 ) -> HiddenStateSet:
     """Extract the aux and last hidden states of every training sample into `<run_dir>/hidden_states/`."""
-    out_dir = Path(config.run_dir) / OUT_DIR
+    out_dir = RunLayout.of(config).hidden_states
     cfg = phase_config(config, target)
     upstream = {"sample_set": sample_set.digest, "target": target.digest}
     cached = cached_manifest(out_dir, cfg, upstream)
@@ -213,9 +209,9 @@ def remove_stale(out_dir: Path, num_shards: int, pending: list[int]) -> None:
 
 
 def run_shards(
-    backend: Any,
+    backend: ExtractionBackend,
     out_dir: Path,
-    shards: list[list[dict]],
+    shards: list[list[SampleRow]],
     keys: list[str],
     pending: list[int],
     extraction: ExtractionConfig,
@@ -228,7 +224,7 @@ def run_shards(
     meter = RateMeter()
     counts = {"samples": 0, "tokens": 0, "shards": 0}
 
-    def checker(rows: list[dict]):
+    def checker(rows: list[SampleRow]):
         def check(samples: list[SampleStates]) -> None:
             for row, states in zip(rows, samples, strict=True):
                 check_sample(states, row["input_ids"], hidden_size)
@@ -283,7 +279,7 @@ def run_shards(
 
 
 def build_manifest(
-    out_dir: Path, shards: list[list[dict]], keys: list[str], cfg: dict, upstream: dict, target: TargetModel
+    out_dir: Path, shards: list[list[SampleRow]], keys: list[str], cfg: dict, upstream: dict, target: TargetModel
 ) -> HiddenStateSet:
     """Index every sample (id -> shard, position, tokens) and record the shards' digests."""
     files: list[FileRecord] = []
@@ -312,11 +308,13 @@ def build_manifest(
         config=cfg,
         upstream=upstream,
         layer_ids=cfg["layer_ids"],
-        dtype=cfg["dtype"],
+        dtype=cfg["extraction"]["dtype"],
         hidden_size=target.hidden_size,
         samples=len(index),
         tokens=tokens,
-        bytes_per_token=shard_bytes / tokens if tokens else bytes_per_token(target.hidden_size, cfg["dtype"]),
+        bytes_per_token=shard_bytes / tokens
+        if tokens
+        else bytes_per_token(target.hidden_size, cfg["extraction"]["dtype"]),
         last_state_normed=LAST_STATE_NORMED,
-        backend=cfg["backend"],
+        backend=cfg["extraction"]["backend"],
     )

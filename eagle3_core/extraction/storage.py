@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypedDict
 
 import torch
 from safetensors import safe_open
@@ -67,6 +68,29 @@ class SampleStates:
     @property
     def quantized(self) -> bool:
         return self.aux_scale is not None
+
+
+class SampleRow(TypedDict):
+    """A training row of the SampleSet as extraction reads it (`sampling.table.iter_rows`; its other
+    columns are not read)."""
+
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+class ExtractionBackend(Protocol):
+    """What the extraction phase asks of a backend: the transformers reference (`hf_backend.HfBackend`) or
+    vLLM's prefill (`vllm_backend.VllmBackend`)."""
+
+    def extract(self, rows: list[SampleRow]) -> tuple[list[SampleStates], object | None]:
+        """The states of every row, in order, and what the shard writer waits for before reading them (a
+        CUDA event of the copies to the host), or None."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine or the model."""
+        ...
 
 
 def shard_name(index: int) -> str:

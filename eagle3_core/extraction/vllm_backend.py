@@ -30,14 +30,15 @@ from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.extraction.connector import CONNECTOR_NAME, EXTRACT_REQUEST
-from eagle3_core.extraction.layout import OUT_DIR, resolve_layer_ids
-from eagle3_core.extraction.storage import SampleStates, ShardError
+from eagle3_core.extraction.layout import resolve_layer_ids
+from eagle3_core.extraction.storage import SampleRow, SampleStates, ShardError
+from eagle3_core.phases import EXTRACTION
 from eagle3_core.progress import ProgressCallback
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.serving.engine import ENGINE_EXIT_WAIT_S, EngineDied, EngineExit
 from eagle3_core.serving.shared import CONTEXT_MARGIN, SharedServer, running_server
 
-PHASE = "extraction"
-INCOMING_DIR = "incoming"
+PHASE = EXTRACTION.name
 
 
 class ServerAnswerError(ShardError):
@@ -106,7 +107,7 @@ class VllmBackend:
         models.raise_for_status()
         self.model = models.json()["data"][0]["id"]
 
-    def extract_one(self, row: dict) -> SampleStates:
+    def extract_one(self, row: SampleRow) -> SampleStates:
         ids = list(row["input_ids"])
         body = {
             "model": self.model,
@@ -139,7 +140,7 @@ class VllmBackend:
             last=states[:, 3],
         )
 
-    def extract(self, rows: list[dict]) -> tuple[list[SampleStates], None]:
+    def extract(self, rows: list[SampleRow]) -> tuple[list[SampleStates], None]:
         """The states of one shard's samples; `EngineDied` when the engine died meanwhile."""
         try:
             return list(self.pool.map(self.extract_one, rows)), None
@@ -181,7 +182,7 @@ def open_vllm_backend(
         finally:
             backend.close()
         return
-    incoming = Path(config.run_dir) / OUT_DIR / INCOMING_DIR
+    incoming = RunLayout.of(config).incoming_states
     shutil.rmtree(incoming, ignore_errors=True)
     incoming.mkdir(parents=True)
     server_config = config.server
@@ -216,7 +217,7 @@ def shared_server(
     sampled conversation fits with its one generated token. Started on first use."""
     from eagle3_core.serving.engine import VllmServer
 
-    incoming = Path(config.run_dir) / OUT_DIR / INCOMING_DIR
+    incoming = RunLayout.of(config).incoming_states
     args = extraction_args(resolve_layer_ids(config, target), target.num_layers, incoming.resolve())
 
     def launch(phase: str, progress: ProgressCallback, context: int) -> VllmServer:

@@ -23,6 +23,7 @@ import httpx
 from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig, SamplingConfig
 from eagle3_core.events import DECISION, RunEvents
+from eagle3_core.phases import SAMPLING
 from eagle3_core.preflight import preflight_sampling
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.sampling.chat_tokens import ChatTokenizer, split_reasoning
@@ -38,7 +39,7 @@ from eagle3_core.serving.engine import (
 )
 from eagle3_core.serving.shared import SharedServer, running_server
 
-PHASE = "sampling"
+PHASE = SAMPLING.name
 
 
 class SamplingAborted(EngineDied):

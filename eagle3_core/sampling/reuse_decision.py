@@ -25,10 +25,11 @@ from typing import Any
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import ConfigError, PipelineConfig
 from eagle3_core.events import DECISION, WEIGHT_LOAD, RunEvents
+from eagle3_core.phases import SAMPLING
 from eagle3_core.sampling.prompts import load_prompts
 from eagle3_core.sampling.store import SampleStore
 
-PHASE = "sampling"
+PHASE = SAMPLING.name
 
 
 @dataclass(frozen=True)

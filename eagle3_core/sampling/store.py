@@ -23,31 +23,29 @@ import pyarrow.parquet as pq
 
 from eagle3_core.artifacts import ArtifactInvalid, SampleSet, TargetModel, record_files
 from eagle3_core.config import PipelineConfig
-from eagle3_core.dtypes import cuda_present, resolve_dtype
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
 from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.phases import SAMPLING, phase_key
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.prompts import Prompt
 from eagle3_core.sampling.table import read_part, write_part
 
-FORMAT_VERSION = 1
-SAMPLES_DIR = "samples"
 KEY_FILE = "run_key.json"
 PART_GLOB = "part-*.parquet"
 
 
 def run_key(config: PipelineConfig, target: TargetModel, prompts: list[Prompt]) -> dict[str, Any]:
-    """Everything that decides a row's content, plus the digest of the prompt set. Concurrency, timeouts
-    and part size change how rows are made, not what they hold, so they are left out. The serving dtype
+    """The fields marked content for sampling (what a row holds; concurrency, timeouts and part size only
+    change how rows are made), the target and tokenizer, and the digest of the prompt set. The serving dtype
     is the resolved one (`auto` -> float32 or bfloat16 on this host): greedy completions differ between
     dtypes, so rows of another dtype are not mixed in; None for an external server (its dtype is its own)."""
-    sampling, server = config.sampling, config.server
-    dtype = resolve_dtype(server.dtype, cuda_present()) if server.engine == "vllm" else None
+    key = phase_key(config, SAMPLING)
+    if config.server.engine != "vllm":
+        key["server"]["dtype"] = None
     return {
-        "format_version": FORMAT_VERSION,
+        **key,
         "target": target.digest,
         "tokenizer": target.tokenizer_digest,
-        "sampling": sampling.model_dump(include={"max_tokens", "temperature", "top_p", "seed"}),
-        "server": {**server.model_dump(include={"engine", "url", "max_model_len", "reasoning_parser"}), "dtype": dtype},
         "prompts": sha256_json([p.id for p in prompts]),
     }
 
@@ -144,7 +142,7 @@ class SampleStore:
         cls, config: PipelineConfig, target: TargetModel, prompts: list[Prompt], events: RunEvents
     ) -> SampleStore:
         """The store of `<run_dir>/samples` for these settings, target and prompts."""
-        return cls(Path(config.run_dir) / SAMPLES_DIR, run_key(config, target, prompts), events)
+        return cls(RunLayout.of(config).samples, run_key(config, target, prompts), events)
 
     def cached(self) -> SampleSet | None:
         """The finished SampleSet of the same key with no error rows, if its files are intact."""

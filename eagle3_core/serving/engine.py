@@ -32,6 +32,7 @@ from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.files import write_text_atomic
 from eagle3_core.gpus import has_cuda_gpus
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.serving.parent_death import die_with_parent
 from eagle3_core.serving.processes import (
     POLL_S,
@@ -304,12 +305,13 @@ class VllmServer:
     ):
         self.config = config
         self.model_dir = Path(model_dir)
-        self.server_dir = Path(run_dir) / "server"
+        self.layout = RunLayout(Path(run_dir))
+        self.server_dir = self.layout.server
         self.events = events
         self.progress = progress
         self.extra_args = list(extra_args or [])
         self.phase = phase
-        self.pid_file = self.server_dir / f"{phase}.pid"
+        self.pid_file = self.layout.pid_file(phase)
         self.log_path = self.server_dir / f"{phase}.log"
         self.previous_log_path = self.server_dir / f"{phase}.previous.log"
         self.api_key = api_key_of(config)
@@ -468,7 +470,7 @@ class VllmServer:
 
     def stop_stale(self) -> None:
         """Stop every server a crashed run of this run directory left behind (found by pid file)."""
-        for pid_file in sorted(self.server_dir.glob("*.pid")):
+        for pid_file in self.layout.pid_files():
             stopped = stop_server(pid_file, self.config.stop_grace_s, self.config.gpu_release_timeout_s)
             if stopped:
                 self.events.record(

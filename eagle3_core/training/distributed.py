@@ -19,7 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from eagle3_core.draft.model import WeightRegion, Weights
+from eagle3_core.draft.model import DraftLayer, Weights
+
+WeightRegion = tuple[list[nn.Parameter], dict[str, slice]]
+"""Parameters stacked by rows into one [rows, cols] matrix, and the `Weights` entries filling its columns."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ class _Region:
 
 
 class LayerGradientSync:
-    """DDP's gradient all-reduce for the draft layer's projection matrices (`DraftLayer.gradient_sync`),
+    """DDP's gradient all-reduce for the draft layer's projection matrices (the unroll's `gradient_sync`),
     started per matrix as soon as its gradient is complete.
 
     Per forward, the cast `Weights` become autograd leaves; a leaf's gradient accumulator runs as soon as
@@ -87,7 +90,7 @@ class LayerGradientSync:
 
     def __call__(self, weights: Weights) -> Weights:
         """Cast weights -> the same values as gradient leaves whose hooks reduce their gradients."""
-        leaves = dict(weights)
+        leaves = Weights(weights)
         self.works = []
         for region in self.regions:
             if any(p.grad is not None for p in region.params):
@@ -118,15 +121,30 @@ class LayerGradientSync:
                 param.grad = grad
 
 
-def early_gradient_sync(module: nn.Module, layer: nn.Module) -> list[str]:
-    """Install a `LayerGradientSync` on `layer` (a `DraftLayer` inside `module`); the names of the
-    parameters it reduces, for DDP to ignore. Ranks start from rank 0's values, as DDP's own do."""
-    layout = layer.projection_layout()
+def projection_layout(layer: DraftLayer) -> list[WeightRegion]:
+    """Where each `Weights` entry's gradient lands: the first projection's (gate/up) rows stacked as in
+    the fused matrix, the embedding and hidden halves of the first projection its column halves."""
+    attn, mlp = layer.self_attn, layer.mlp
+    first = attn.first_projection()
+    half = first[0].shape[1] // 2
+    return [
+        (first, {"qkv_embed": slice(0, half), "qkv_hidden": slice(half, 2 * half)}),
+        *(([weight], {name: slice(None)}) for name, weight in attn.inner_weights().items()),
+        ([mlp.gate_proj.weight, mlp.up_proj.weight], {"gate_up": slice(None)}),
+        ([mlp.down_proj.weight], {"down_proj": slice(None)}),
+    ]
+
+
+def early_gradient_sync(module: nn.Module, layer: DraftLayer) -> list[str]:
+    """Install a `LayerGradientSync` for `layer` (the draft layer inside `module`, the objective, whose
+    unroll hands it the cast weights); the names of the parameters it reduces, for DDP to ignore. Ranks
+    start from rank 0's values, as DDP's own do."""
+    layout = projection_layout(layer)
     process_group = dist.new_group()
     for params, _ in layout:
         for param in params:
             dist.broadcast(param.data, 0, group=process_group)
-    layer.gradient_sync = LayerGradientSync(layout, process_group, dist.get_world_size())
+    module.gradient_sync = LayerGradientSync(layout, process_group, dist.get_world_size())
     names = {id(p): n for n, p in module.named_parameters()}
     return [names[id(p)] for params, _ in layout for p in params]
 

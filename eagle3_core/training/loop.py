@@ -25,6 +25,7 @@ import torch
 from eagle3_core.config import TrainingConfig
 from eagle3_core.events import DECISION, RESUME, RunEvents
 from eagle3_core.extraction.storage import dequantize_states
+from eagle3_core.phases import TRAINING
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.sampling.table import is_heldout
 from eagle3_core.training.curves import TrainingCurves
@@ -40,7 +41,7 @@ from eagle3_core.training.loss import (
 from eagle3_core.training.optimizer import build_optimizer
 from eagle3_core.training.state import gather_state, latest_state, load_state, save_state
 
-PHASE = "training"
+PHASE = TRAINING.name
 
 Dataset = Sequence[dict[str, torch.Tensor]]
 # Seconds between reports (progress + history rows), each one host sync; checkpoints and the end always report.

@@ -25,6 +25,7 @@ from torch import nn
 
 from eagle3_core.draft.model import Eagle3Draft
 from eagle3_core.training.attention import TTTAttention
+from eagle3_core.training.unroll import GradientSync, ttt_states
 
 LOSS_CHUNK_ROWS = 4096
 RowsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -237,6 +238,10 @@ class TTTObjective(nn.Module):
         self.mask_out_of_vocab = mask_out_of_vocab
         self.rows_fn: RowsFn = soft_ce_rows
         self._step_weights: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+        # The unroll's options (`unroll.ttt_states`): DDP's early gradient sync (`distributed.wrap` sets
+        # it) and the deferred weight gradients (off only to time autograd's sum).
+        self.gradient_sync: GradientSync | None = None
+        self.defer_weight_gradients = True
 
     def compile(self, loss_kernel: str = "triton") -> None:  # type: ignore[override]
         """GPU: torch.compile the draft's dense blocks (flex attention is always compiled) and run the
@@ -267,12 +272,15 @@ class TTTObjective(nn.Module):
         attend = TTTAttention.for_documents(
             batch["document_ids"], self.attention_backend(batch["document_ids"].device), batch.get("document_starts")
         )
-        states = self.draft(
+        states = ttt_states(
+            self.draft,
             batch["aux"],
             batch["input_ids"],
             batch["position_ids"],
             attend,
             self.ttt_steps,
+            self.gradient_sync,
+            self.defer_weight_gradients,
         )  # K x [B, T, H]
         target_logits = head.logits(batch["last"])  # [B, T, Vd], once per batch, shared by every step
         exact = exact_top1 or self.mask_out_of_vocab

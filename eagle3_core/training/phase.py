@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,12 +14,15 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap, record_files
 from eagle3_core.config import PipelineConfig
-from eagle3_core.draft.export import RECIPE_FLAGS, export_draft, load_exported
+from eagle3_core.draft.export import export_draft, load_exported
 from eagle3_core.draft.model import DraftConfig, Eagle3Draft
+from eagle3_core.draft.shape import trained_draft_config
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
-from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.files import folder_identity, sha256_json, write_text_atomic
+from eagle3_core.phases import TRAINING, phase_key
 from eagle3_core.preflight import preflight_training
 from eagle3_core.progress import ProgressCallback, ignore_progress
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.training.curves import TrainingCurves
 from eagle3_core.training.distributed import Group, barrier, init_group
 from eagle3_core.training.loop import PHASE, run_training, split_validation
@@ -28,19 +30,13 @@ from eagle3_core.training.loss import TargetHead, TTTObjective
 from eagle3_core.training.state import FULL
 from eagle3_core.vocab import load_vocab_tensors
 
-OUT_DIR = "draft"
-EXPORT_DIR = "export"
-STATE_DIR = "state"
 KEY_FILE = "key.json"
-FORMAT_VERSION = 1
-# Fields that do not change the trained weights (where it runs, how often it saves, whether it is compiled)
-# stay out of the key.
-NOT_IN_KEY = {"device", "checkpoint_every", "keep_checkpoints", "compile"}
 
 
 def phase_config(config: PipelineConfig) -> dict:
-    fields = config.training.model_dump(mode="json", exclude=NOT_IN_KEY)
-    return {"format_version": FORMAT_VERSION, **fields}
+    """The training fields marked content (not where it runs, how it is sharded, how often it saves or
+    whether it is compiled) and the files of the warm-start checkpoint, if any."""
+    return {**phase_key(config, TRAINING), "warm_start": folder_identity(config.training.warm_start)}
 
 
 def target_rms_eps(target: TargetModel) -> float:
@@ -94,11 +90,9 @@ def warm_start(draft: Eagle3Draft, previous: Eagle3Draft, source: str) -> None:
 def draft_config_of(
     config: PipelineConfig, target: TargetModel, vocab_map: VocabMap, layer_ids: list[int]
 ) -> DraftConfig:
-    """The draft's shape from the target's config.json, with the recipe flags of `training`."""
+    """The draft's shape (`draft.shape`, the one its preflight counts) from the target's config.json."""
     target_config = json.loads((target.root_path / "config.json").read_text())
-    architecture = config.training.draft_architecture
-    shape = DraftConfig.from_target_config(target_config, vocab_map.draft_vocab_size, layer_ids, architecture)
-    return replace(shape, **{flag: getattr(config.training, flag) for flag in RECIPE_FLAGS})
+    return trained_draft_config(config.training, target_config, vocab_map.draft_vocab_size, layer_ids)
 
 
 def build_draft(config: PipelineConfig, target: TargetModel, draft_config: DraftConfig, d2t, t2d) -> Eagle3Draft:
@@ -124,7 +118,8 @@ def train_draft(
     from eagle3_core.extraction.reader import HiddenStateDataset
 
     tc = config.training
-    out_dir = Path(config.run_dir) / OUT_DIR
+    draft_dir = RunLayout.of(config).draft
+    out_dir = draft_dir.root
     cfg = phase_config(config)
     upstream = {"hidden_states": hidden_states.digest, "vocab_map": vocab_map.digest, "target": target.digest}
     cached = cached_checkpoint(out_dir, cfg, upstream)
@@ -152,7 +147,7 @@ def train_draft(
             world=group.world,
             device=str(group.device),
         )
-    state_dir = out_dir / STATE_DIR
+    state_dir = draft_dir.state
     prepare_state_dir(state_dir, sha256_json({"config": cfg, "upstream": upstream}), events, group)
     objective = TTTObjective(draft, tc.ttt_steps, tc.step_weight, tc.attention, tc.mask_out_of_vocab)
     curves = TrainingCurves(out_dir if group.is_main else None)  # draft/tensorboard/, draft/training_curves.png
@@ -164,7 +159,7 @@ def train_draft(
     if group.is_main:
         exported = Eagle3Draft(draft_config)
         exported.load_state_dict({k.removeprefix("draft."): v for k, v in full_state.items()}, strict=True)
-        paths = export_draft(exported, out_dir / EXPORT_DIR)
+        paths = export_draft(exported, draft_dir.export)
         checkpoint = DraftCheckpoint(
             root=str(out_dir.resolve()),
             files=record_files(out_dir, paths),
@@ -193,9 +188,10 @@ def export_training_state(
     intermediate step while training goes on."""
     from eagle3_core.training.state import latest_state
 
-    state_file = state_file or latest_state(Path(config.run_dir) / OUT_DIR / STATE_DIR)
+    state_dir = RunLayout.of(config).draft.state
+    state_file = state_file or latest_state(state_dir)
     if state_file is None:
-        raise FileNotFoundError(f"no training state under {Path(config.run_dir) / OUT_DIR / STATE_DIR}")
+        raise FileNotFoundError(f"no training state under {state_dir}")
     draft = Eagle3Draft(draft_config_of(config, target, vocab_map, hidden_states.layer_ids))
     model = torch.load(state_file, map_location="cpu", weights_only=False)["model"]
     missing, unexpected = draft.load_state_dict({k.removeprefix("draft."): v for k, v in model.items()}, strict=False)

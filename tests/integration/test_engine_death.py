@@ -22,10 +22,10 @@ from prefect.client.orchestration import get_client
 from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, ENGINE_START, RESUME, WEIGHT_LOAD, RunEvents
-from eagle3_core.extraction.layout import OUT_DIR
 from eagle3_core.extraction.phase import DONE_SUFFIX, training_rows
 from eagle3_core.extraction.storage import shard_name
 from eagle3_core.faults import ENV
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.table import read_part
 from tasks.extraction import extract_hidden_states_task
 from tasks.policy import configured
@@ -169,7 +169,7 @@ def test_engine_killed_mid_extraction_is_restarted_once_and_extracts_only_the_mi
     [resume] = [e for e in events if e["event"] == RESUME and e["phase"] == "extraction"]
     assert resume["pending"] == [shard_name(i) for i in range(2, shards)], "shards 0 and 1 are kept"
     restarted = [e["ts"] for e in events if e["event"] == ENGINE_START][-1]
-    out_dir = run_dir / OUT_DIR
+    out_dir = RunLayout(run_dir).hidden_states
     for i in range(shards):
         written_before_kill = (out_dir / (shard_name(i) + DONE_SUFFIX)).stat().st_mtime < restarted
         assert written_before_kill == (i < 2), f"shard {i}"

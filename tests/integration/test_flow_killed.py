@@ -26,10 +26,9 @@ import pytest
 import yaml
 
 from eagle3_core.events import CACHE_HIT, DECISION, ENGINE_START, RESUME, WEIGHT_LOAD, RunEvents
-from eagle3_core.extraction.phase import DONE_SUFFIX, OUT_DIR
+from eagle3_core.extraction.phase import DONE_SUFFIX
 from eagle3_core.faults import ENV
-from eagle3_core.training.phase import OUT_DIR as DRAFT_DIR
-from eagle3_core.training.phase import STATE_DIR
+from eagle3_core.run_layout import RunLayout
 from flows.temporary_server import APP
 
 pytestmark = pytest.mark.slow
@@ -145,11 +144,11 @@ def parts(runs: Runs) -> list[Path]:
 
 
 def done_shards(runs: Runs) -> list[Path]:
-    return sorted((runs.run_dir / OUT_DIR).glob(f"*{DONE_SUFFIX}"))
+    return sorted(RunLayout(runs.run_dir).hidden_states.glob(f"*{DONE_SUFFIX}"))
 
 
 def latest_step(runs: Runs) -> int:
-    latest = runs.run_dir / DRAFT_DIR / STATE_DIR / "latest.json"
+    latest = RunLayout(runs.run_dir).draft.state / "latest.json"
     return yaml.safe_load(latest.read_text())["step"] if latest.exists() else 0
 
 

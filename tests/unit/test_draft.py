@@ -13,6 +13,7 @@ from eagle3_core.training.attention import (
     merge_diagonal,
     ttt_attention_eager,
 )
+from eagle3_core.training.unroll import ttt_states
 
 
 def tiny_config(vocab: int = 97, draft_vocab: int = 40) -> DraftConfig:
@@ -94,9 +95,12 @@ def random_batch(draft: Eagle3Draft, lengths: list[int], seed: int = 2):
     return aux, input_ids, position_ids, document_ids
 
 
-def unroll(draft: Eagle3Draft, aux, input_ids, position_ids, document_ids, ttt_steps: int) -> list[torch.Tensor]:
+def unroll(
+    draft: Eagle3Draft, aux, input_ids, position_ids, document_ids, ttt_steps: int, defer: bool = True
+) -> list[torch.Tensor]:
     """The training unroll, with the attention training gives the draft."""
-    return draft(aux, input_ids, position_ids, TTTAttention.for_documents(document_ids), ttt_steps)
+    attend = TTTAttention.for_documents(document_ids)
+    return ttt_states(draft, aux, input_ids, position_ids, attend, ttt_steps, defer_weight_gradients=defer)
 
 
 def assert_chain_equals_unroll(draft: Eagle3Draft, start: int = 4, steps: int = 3) -> DraftKVCache:
@@ -228,13 +232,11 @@ def test_deferred_weight_gradients_equal_autograds_sum_over_the_steps(architectu
     aux, input_ids, position_ids, document_ids = random_batch(draft, [5, 4])
     grads = []
     for defer in (True, False):
-        draft.defer_weight_gradients = defer
-        states = unroll(draft, aux, input_ids, position_ids, document_ids, ttt_steps=4)
+        states = unroll(draft, aux, input_ids, position_ids, document_ids, ttt_steps=4, defer=defer)
         loss = sum((draft.compute_logits(state).logsumexp(-1) * (k + 1)).sum() for k, state in enumerate(states))
         params = [p for p in draft.parameters() if p.requires_grad]
         grads.append(torch.autograd.grad(loss, params))
     for deferred, summed in zip(*grads, strict=True):
         torch.testing.assert_close(deferred, summed, rtol=1e-10, atol=1e-12)
     with torch.no_grad():
-        draft.defer_weight_gradients = True
         assert len(unroll(draft, aux, input_ids, position_ids, document_ids, ttt_steps=2)) == 2

@@ -17,6 +17,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.draft.export import check_checkpoint, checkpoint_tensors, export_draft, load_exported
 from eagle3_core.draft.model import DraftConfig, DraftKVCache, Eagle3Draft
 from eagle3_core.training.attention import document_causal_mask, merge_diagonal, ttt_attention_eager
+from eagle3_core.training.distributed import projection_layout
 from tests.unit.test_draft import assert_chain_equals_unroll, reference_ttt_attention, seeded_draft, tiny_config
 
 HEADS, NOPE, ROPE, V_DIM, KV_RANK = 4, 6, 4, 5, 12
@@ -140,7 +141,7 @@ def test_mla_decoding_chain_equals_training_unroll(q_lora_rank: int | None) -> N
 def test_mla_gradient_layout_covers_every_projection_matrix() -> None:
     """DDP's early gradient sync reduces exactly the layout's matrices: every 2-D weight of the layer."""
     layer = mla_draft().midlayer
-    laid_out = {id(p) for params, _ in layer.projection_layout() for p in params}
+    laid_out = {id(p) for params, _ in projection_layout(layer) for p in params}
     matrices = {id(p) for p in layer.parameters() if p.ndim == 2}
     assert laid_out == matrices
     assert set(layer.cast_weights(torch.float64)) == {

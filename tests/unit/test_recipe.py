@@ -38,6 +38,7 @@ from eagle3_core.training.optimizer import (
     orthogonalize_stacked,
     same_shape_groups,
 )
+from eagle3_core.training.unroll import ttt_states
 from tests.unit.test_draft import assert_chain_equals_unroll, seeded_draft, tiny_config
 from tests.unit.test_training_loop import CPU, synthetic_data
 
@@ -198,7 +199,7 @@ def test_mask_leaves_out_positions_whose_target_argmax_is_outside_the_draft_voca
     inside = head.in_draft_vocab(head.full_top1(batch["last"]))[0]  # [T]
     assert 0 < int(inside.sum()) < len(inside)
     attend = TTTAttention.for_documents(batch["document_ids"], "auto")
-    states = objective.draft(batch["aux"], batch["input_ids"], batch["position_ids"], attend, 2)
+    states = ttt_states(objective.draft, batch["aux"], batch["input_ids"], batch["position_ids"], attend, 2)
     target_logits = head.logits(batch["last"])[0]
     want = 0.0
     for step in range(2):

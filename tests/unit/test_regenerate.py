@@ -7,7 +7,8 @@ from pathlib import Path
 
 from eagle3_core.artifacts import DraftCheckpoint, EvalReport, FileRecord
 from eagle3_core.config import PipelineConfig
-from flows.regenerate import current_dir, is_better, load_current, promote, warm_start_config
+from eagle3_core.run_layout import RunLayout
+from flows.regenerate import is_better, load_current, promote, warm_start_config
 
 
 def fake_checkpoint(run_dir: Path, weights: bytes) -> DraftCheckpoint:
@@ -34,12 +35,12 @@ def test_promotion_keeps_the_better_drafter_and_warm_starts_from_it(tmp_path: Pa
     current = load_current(config)
     assert current is not None and current.acceptance_length == 1.4
     assert current.checkpoint_digest == first.digest
-    assert (current_dir(config) / "draft" / "export" / "model.safetensors").read_bytes() == b"first"
-    assert not (current_dir(config) / "draft" / "state").exists()
-    assert DraftCheckpoint.load(current_dir(config) / "draft").digest == first.digest
+    assert (RunLayout.of(config).current.draft.export / "model.safetensors").read_bytes() == b"first"
+    assert not (RunLayout.of(config).current.draft.state).exists()
+    assert DraftCheckpoint.load(RunLayout.of(config).current.draft.root).digest == first.digest
 
     warm = warm_start_config(config)
-    assert warm.training.warm_start == str(current_dir(config) / "draft" / "export")
+    assert warm.training.warm_start == str(RunLayout.of(config).current.draft.export)
     assert config.training.warm_start is None
 
     assert not is_better(report(config.run_dir, 1.3), current)
@@ -47,5 +48,5 @@ def test_promotion_keeps_the_better_drafter_and_warm_starts_from_it(tmp_path: Pa
     assert is_better(report(config.run_dir, 1.6), current)
     promote(config, second, report(config.run_dir, 1.6))
     assert load_current(config).acceptance_length == 1.6
-    assert (current_dir(config) / "draft" / "export" / "model.safetensors").read_bytes() == b"second"
+    assert (RunLayout.of(config).current.draft.export / "model.safetensors").read_bytes() == b"second"
     assert sorted(p.name for p in config.run_dir.iterdir()) == ["current", "draft"]

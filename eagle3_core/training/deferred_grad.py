@@ -11,7 +11,9 @@ sees them: its backward, which runs only after every step's backward (every late
 first), hands each matrix its sum. Same function; the K-fold sum happens in the GEMM epilogue.
 
 The products are registered custom ops (not autograd.Functions) so that torch.compile'd blocks keep them in
-their graphs; the running sums live outside any graph, so no compiled buffer is ever retained.
+their graphs; the running sums live outside any graph, so no compiled buffer is ever retained. A sum is kept
+per matrix of an unroll (its name and its storage), so unrolls of two drafts in one process never mix.
+The draft layer only calls `Weights.project`; `DeferredWeights` is training's implementation of it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_SUMS: dict[str, torch.Tensor] = {}  # matrix name -> sum of gy^T x over the steps whose backward has run
+from eagle3_core.draft.model import Weights
+
+SumKey = tuple[str, int]  # (matrix name, the unroll's matrix storage)
+_SUMS: dict[SumKey, torch.Tensor] = {}  # sum of gy^T x over the steps whose backward has run
+
+
+def sum_key(name: str, weight: torch.Tensor) -> SumKey:
+    return name, weight.untyped_storage().data_ptr()
 
 
 @torch.library.custom_op("eagle3::deferred_linear", mutates_args=())
@@ -38,10 +47,11 @@ def _(x: torch.Tensor, weight: torch.Tensor, name: str, base: torch.Tensor | Non
 def deferred_linear_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
     """grad @ weight (the input's gradient); the weight's, grad^T x, is added to the running sum of `name`."""
     rows_grad, rows_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])  # [rows, out], [rows, in]
-    if name in _SUMS:
-        _SUMS[name].addmm_(rows_grad.t(), rows_x)
+    key = sum_key(name, weight)
+    if key in _SUMS:
+        _SUMS[key].addmm_(rows_grad.t(), rows_x)
     else:
-        _SUMS[name] = rows_grad.t() @ rows_x  # [out, in]
+        _SUMS[key] = rows_grad.t() @ rows_x  # [out, in]
     return grad @ weight
 
 
@@ -70,19 +80,25 @@ class WeightGradients(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, state: torch.Tensor, names: tuple[str, ...], *weights: torch.Tensor) -> torch.Tensor:
-        for name in names:
-            _SUMS.pop(name, None)  # an unroll whose backward never ran leaves nothing behind
-        ctx.names = names
+        ctx.keys = [sum_key(name, weight) for name, weight in zip(names, weights, strict=True)]
+        for key in ctx.keys:
+            _SUMS.pop(key, None)  # an unroll whose backward never ran leaves nothing behind
         return state.view_as(state)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return (grad, None, *(_SUMS.pop(name, None) for name in ctx.names))
+        return (grad, None, *(_SUMS.pop(key, None) for key in ctx.keys))
 
 
-class DeferredWeights(dict):
+class DeferredWeights(Weights):
     """`Weights` of one training unroll: the per-step matrices detached, their gradients made by
-    `WeightGradients` (`defer_gradients`); the layer's products with them go through `project`."""
+    `WeightGradients` (`defer_gradients`); with gradients on, the layer's products go through
+    `deferred_linear`, otherwise (validation) they are plain products."""
+
+    def project(self, x: torch.Tensor, name: str, base: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return deferred_linear(x, self[name], name, base)
+        return super().project(x, name, base)
 
 
 def defer_gradients(
@@ -94,13 +110,3 @@ def defer_gradients(
     names = tuple(name for name, weight in weights.items() if name not in once and weight.requires_grad)
     state = WeightGradients.apply(state, names, *(weights[name] for name in names))
     return state, DeferredWeights({name: w.detach() if name in names else w for name, w in weights.items()})
-
-
-def project(
-    x: torch.Tensor, weights: dict[str, torch.Tensor], name: str, base: torch.Tensor | None = None
-) -> torch.Tensor:
-    """[base +] x [..., in] @ weights[name]^T: through `deferred_linear` in a training unroll
-    (`DeferredWeights`), a plain product otherwise (decoding, validation, direct use of the layer)."""
-    if isinstance(weights, DeferredWeights) and torch.is_grad_enabled():
-        return deferred_linear(x, weights[name], name, base)
-    return F.linear(x, weights[name]) if base is None else torch.addmm(base, x, weights[name].t())

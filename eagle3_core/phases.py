@@ -1,0 +1,101 @@
+"""One declaration per phase: its name, its format version and the parts of the configuration it reads.
+Which of those fields change what the phase produces is marked on the fields themselves (`config.roles`);
+both the core's resume keys and the Prefect cache policies of `tasks/` are derived from those marks here,
+so the two never disagree about a field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from eagle3_core.config import (
+    CONTENT,
+    EVERY_PHASE,
+    INPUT,
+    PHASE_ROLES,
+    VERDICT,
+    VLLM,
+    PipelineConfig,
+    Role,
+)
+from eagle3_core.dtypes import with_resolved_dtypes
+
+# Roles whose fields enter the Prefect cache key: every field that is not operational.
+KEYED_ROLES: tuple[Role, ...] = (CONTENT, INPUT, VLLM, VERDICT)
+EVERY_PHASE_READS = ("run_dir", "orchestration")
+
+
+@dataclass(frozen=True)
+class PhaseSpec:
+    """A phase as its cache keys see it. `reads`: dotted config paths (sections or fields) the phase reads;
+    each field under them has a role for this phase (checked by tests/unit/test_phase_roles.py)."""
+
+    name: str
+    version: int
+    reads: tuple[str, ...]
+
+    def reads_field(self, path: str) -> bool:
+        return any(path == prefix or path.startswith(prefix + ".") for prefix in (*EVERY_PHASE_READS, *self.reads))
+
+
+PREPARE_TARGET = PhaseSpec("prepare_target", 1, ("target",))
+SAMPLING = PhaseSpec("sampling", 1, ("server", "sampling"))
+EXTRACTION = PhaseSpec(
+    "extraction", 1, ("server", "extraction", "sampling.holdout_fraction", "sampling.request_timeout_s")
+)
+VOCAB = PhaseSpec("vocab", 1, ("vocab", "sampling.holdout_fraction"))
+TRAINING = PhaseSpec("training", 1, ("training",))
+EVALUATION = PhaseSpec(
+    "evaluation", 1, ("server", "evaluation", "sampling.holdout_fraction", "sampling.request_timeout_s")
+)
+PHASES = (PREPARE_TARGET, SAMPLING, EXTRACTION, VOCAB, TRAINING, EVALUATION)
+
+
+def config_fields(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
+    """(dotted path, field) of every leaf field of the configuration tree."""
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from config_fields(annotation, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", info
+
+
+def marked_roles(info: FieldInfo) -> dict[str, Role]:
+    """Phase name -> role, as the field's `json_schema_extra` marks it."""
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    return dict(extra.get(PHASE_ROLES) or {})  # type: ignore[arg-type]
+
+
+@cache
+def field_roles(phase: str) -> dict[str, Role]:
+    """Dotted path -> role of every field marked for `phase` (or for every phase)."""
+    marked = ((path, marked_roles(info)) for path, info in config_fields())
+    return {path: role for path, by_phase in marked if (role := by_phase.get(phase, by_phase.get(EVERY_PHASE)))}
+
+
+def keyed_fields(config: PipelineConfig, phase: str, keyed: tuple[Role, ...] = (CONTENT,)) -> dict[str, Any]:
+    """The values of `phase`'s fields whose role is in `keyed`, as {section: {field: value}} (top-level
+    fields as {field: value}), with `auto` compute dtypes resolved as this host runs them: `auto` and the
+    dtype it stands for share every key."""
+    data = with_resolved_dtypes(config.model_dump(mode="json"), config)
+    selected: dict[str, Any] = {}
+    for path, role in field_roles(phase).items():
+        if role not in keyed:
+            continue
+        section, _, name = path.rpartition(".")
+        if section:
+            selected.setdefault(section, {})[name] = data[section][name]
+        else:
+            selected[name] = data[name]
+    return selected
+
+
+def phase_key(config: PipelineConfig, spec: PhaseSpec, keyed: tuple[Role, ...] = (CONTENT,)) -> dict[str, Any]:
+    """The resume key of a phase's own folder: its format version and its keyed fields."""
+    return {"format_version": spec.version, **keyed_fields(config, spec.name, keyed)}

@@ -1,0 +1,112 @@
+"""The run directory's layout: the one place every folder name under `run_dir` is written. The phases, the
+CLI and the flows all take their paths from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3_core.config import PipelineConfig
+
+EXPORT = "export"
+STATE = "state"
+
+
+@dataclass(frozen=True)
+class DraftLayout:
+    """A draft folder: the training run's (`<run_dir>/draft`) or a copy of it (`<run_dir>/current/draft`)."""
+
+    root: Path
+
+    @property
+    def export(self) -> Path:
+        """The vLLM/SGLang-loadable folder (config.json + model.safetensors)."""
+        return self.root / EXPORT
+
+    @property
+    def state(self) -> Path:
+        """Resumable training states (only in the training run's folder)."""
+        return self.root / STATE
+
+
+@dataclass(frozen=True)
+class PromotedLayout:
+    """The nightly flow's promoted drafter, `<run_dir>/current`, or its staging and retired copies: the
+    draft folder (without training states) and `current.json`, which says why it is current."""
+
+    root: Path
+
+    @property
+    def draft(self) -> DraftLayout:
+        return DraftLayout(self.root / "draft")
+
+    @property
+    def record(self) -> Path:
+        return self.root / "current.json"
+
+    def beside(self, suffix: str) -> PromotedLayout:
+        """A copy next to this one: `current.new` while it is staged, `current.old` while it is retired."""
+        return PromotedLayout(self.root.with_name(self.root.name + suffix))
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    root: Path
+
+    @classmethod
+    def of(cls, config: PipelineConfig) -> RunLayout:
+        return cls(Path(config.run_dir))
+
+    @property
+    def samples(self) -> Path:
+        return self.root / "samples"
+
+    @property
+    def hidden_states(self) -> Path:
+        return self.root / "hidden_states"
+
+    @property
+    def incoming_states(self) -> Path:
+        """Where vLLM's connector drops states before extraction validates and shards them."""
+        return self.hidden_states / "incoming"
+
+    @property
+    def vocab(self) -> Path:
+        return self.root / "vocab"
+
+    @property
+    def draft(self) -> DraftLayout:
+        return DraftLayout(self.root / "draft")
+
+    @property
+    def eval(self) -> Path:
+        return self.root / "eval"
+
+    @property
+    def summary(self) -> Path:
+        """The flow's run summary (`summary.md`, the acceptance plot)."""
+        return self.root / "summary"
+
+    @property
+    def summary_markdown(self) -> Path:
+        return self.summary / "summary.md"
+
+    @property
+    def current(self) -> PromotedLayout:
+        return PromotedLayout(self.root / "current")
+
+    @property
+    def server(self) -> Path:
+        """Engine pid files and logs, one of each per phase."""
+        return self.root / "server"
+
+    def pid_file(self, phase: str) -> Path:
+        return self.server / f"{phase}.pid"
+
+    def pid_files(self) -> list[Path]:
+        return sorted(self.server.glob("*.pid"))
+
+    @property
+    def prefect_results(self) -> Path:
+        """Prefect's persisted task results, unless `orchestration.result_storage` names another folder."""
+        return self.root / ".prefect" / "results"

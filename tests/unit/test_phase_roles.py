@@ -1,0 +1,169 @@
+"""Every configuration field has a role in every phase that reads it, and the core's resume keys and the
+Prefect cache keys follow those roles alike: a field marked content changes both, an operational one
+neither (the disagreement of issue 25: `training.sharding` and `server.env` were keyed by one and not by
+the other)."""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from eagle3_core.artifacts import TargetModel
+from eagle3_core.config import CONTENT, EVERY_PHASE, INPUT, OPERATIONAL, VERDICT, VLLM, PipelineConfig
+from eagle3_core.dtypes import with_resolved_dtypes
+from eagle3_core.evaluation.phase import measurement_keys, verdict_fields
+from eagle3_core.evaluation.prompts import EvalPrompt
+from eagle3_core.extraction.phase import phase_config as extraction_key
+from eagle3_core.phases import PHASES, config_fields, field_roles, marked_roles
+from eagle3_core.sampling.store import run_key
+from eagle3_core.training.phase import phase_config as training_key
+from eagle3_core.vocab import phase_config as vocab_key
+from tasks.evaluation import POLICY as EVALUATION_POLICY
+from tasks.extraction import POLICY as EXTRACTION_POLICY
+from tasks.sampling import POLICY as SAMPLING_POLICY
+from tasks.target import POLICY as TARGET_POLICY
+from tasks.training import POLICY as TRAINING_POLICY
+from tasks.vocab import POLICY as VOCAB_POLICY
+
+POLICIES = {
+    "prepare_target": TARGET_POLICY,
+    "sampling": SAMPLING_POLICY,
+    "extraction": EXTRACTION_POLICY,
+    "vocab": VOCAB_POLICY,
+    "training": TRAINING_POLICY,
+    "evaluation": EVALUATION_POLICY,
+}
+TARGET = TargetModel.model_validate(
+    {
+        "root": "/nowhere",
+        "name": "t",
+        "source": "local",
+        "architecture": "LlamaForCausalLM",
+        "model_type": "llama",
+        "num_layers": 30,
+        "hidden_size": 576,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "config_digest": "c",
+        "tokenizer_digest": "t",
+        "chat_template": None,
+    }
+)
+PROMPTS = {"humaneval": [EvalPrompt(id="p0", messages=[{"role": "user", "content": "hi"}], prompt_set="humaneval")]}
+
+
+def core_key(config: PipelineConfig, phase: str) -> Any:
+    """What the core phase compares before resuming or reusing its folder."""
+    if phase == "sampling":
+        return run_key(config, TARGET, [])
+    if phase == "extraction":
+        return extraction_key(config, TARGET)
+    if phase == "vocab":
+        return vocab_key(config, TARGET)
+    if phase == "training":
+        return training_key(config)
+    if phase == "evaluation":
+        return (*measurement_keys(config, {}, PROMPTS), verdict_fields(config))
+    return None  # prepare_target keys its converted folder by the GGUF's digest, not by config fields
+
+
+def prefect_key(config: PipelineConfig, phase: str) -> Any:
+    return POLICIES[phase].key_content(config, {})
+
+
+SAMPLES: dict[Any, list[Any]] = {
+    bool: [True, False],
+    int: [7, 64, 1],
+    float: [0.5, 0.25, 2.0],
+    str: ["bfloat16", "float16", "elsewhere"],
+    Path: [Path("elsewhere")],
+}
+# Fields whose only other values are refused by a validator at the default config, and their base.
+BASES = {"training.sharding": {"training": {"optimizer": "adamw"}}}
+VALUES = {"extraction.layer_ids": [[2, 7, 20]]}  # three ascending ids that fit the target
+
+
+def candidates(annotation: Any) -> list[Any]:
+    """Values of a field's type, tried in turn until one is valid and differs from the default."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return list(reversed(args))
+    if origin is list:
+        return [[item] for item in candidates(args[0])]
+    if origin is dict:
+        return [{"EXTRA": value} for value in candidates(args[1])]
+    if origin in (typing.Union, types.UnionType):
+        return [value for arg in args if arg is not type(None) for value in candidates(arg)] + [None]
+    return SAMPLES[annotation]
+
+
+def value_at(data: dict[str, Any], path: str) -> Any:
+    section, _, name = path.rpartition(".")
+    return data[section][name] if section else data[name]
+
+
+def changed(path: str) -> tuple[PipelineConfig, PipelineConfig]:
+    """(base, changed): the default config (or BASES') and a copy with the field at `path` set to another
+    valid value that this host resolves differently (`auto` and float32 are one value on a CPU without bf16)."""
+    base = PipelineConfig.model_validate(BASES.get(path, {}))
+    section, _, name = path.rpartition(".")
+    before = value_at(with_resolved_dtypes(base.model_dump(mode="json"), base), path)
+    for candidate in VALUES.get(path, []) + candidates(dict(config_fields())[path].annotation):
+        config = base.model_copy(deep=True)
+        try:
+            setattr(getattr(config, section) if section else config, name, candidate)
+        except ValidationError:
+            continue
+        if value_at(with_resolved_dtypes(config.model_dump(mode="json"), config), path) != before:
+            return base, config
+    raise AssertionError(f"{path}: no other valid value found to change it to")
+
+
+@pytest.mark.parametrize("spec", PHASES, ids=lambda spec: spec.name)
+def test_every_field_a_phase_reads_has_a_role_for_it_and_no_other_field_does(spec):
+    roles = field_roles(spec.name)
+    paths = [path for path, _ in config_fields()]
+    unclassified = [path for path in paths if spec.reads_field(path) and path not in roles]
+    assert not unclassified, f"{spec.name} reads these fields, which carry no role for it: {unclassified}"
+    stray = [path for path in roles if not spec.reads_field(path)]
+    assert not stray, f"{spec.name} does not read these fields, yet they carry a role for it: {stray}"
+
+
+def test_every_field_is_read_by_some_phase_and_marks_name_declared_phases():
+    names = {spec.name for spec in PHASES} | {EVERY_PHASE}
+    for path, info in config_fields():
+        marks = marked_roles(info)
+        assert marks, f"{path} carries no role for any phase"
+        assert set(marks) <= names, f"{path} names an undeclared phase: {sorted(set(marks) - names)}"
+        evaluation_only = {phase for phase, role in marks.items() if role in (VLLM, VERDICT)}
+        assert evaluation_only <= {"evaluation"}, f"{path}: vllm and verdict are evaluation's roles"
+
+
+def test_roles_show_in_the_json_schema_of_the_prefect_form():
+    schema = PipelineConfig.model_json_schema()
+    assert schema["$defs"]["TrainingConfig"]["properties"]["sharding"]["phases"] == {"training": OPERATIONAL}
+    assert schema["$defs"]["ServerConfig"]["properties"]["env"]["phases"]["evaluation"] == OPERATIONAL
+
+
+FIELDS = [(spec.name, path, role) for spec in PHASES for path, role in field_roles(spec.name).items()]
+
+
+@pytest.mark.parametrize(("phase", "path", "role"), FIELDS, ids=[f"{p}:{f}" for p, f, _ in FIELDS])
+def test_core_and_prefect_keys_follow_the_field_role(phase: str, path: str, role: str):
+    base, config = changed(path)
+    prefect_moved = prefect_key(config, phase) != prefect_key(base, phase)
+    assert prefect_moved == (role != OPERATIONAL), f"Prefect key of {phase} and {path} ({role})"
+    if role == INPUT or core_key(base, phase) is None:
+        return  # keyed by the content of what it names (prompt ids, warm-start files): tests of their own
+    before, after = core_key(base, phase), core_key(config, phase)
+    if phase == "evaluation":  # (transformers key, vLLM key, verdict)
+        moved = tuple(a != b for a, b in zip(before, after, strict=True))
+        expected = {CONTENT: (True, True, False), VLLM: (False, True, False), VERDICT: (False, False, True)}
+        assert moved == expected.get(role, (False, False, False)), f"evaluation keys and {path} ({role})"
+    else:
+        assert (after != before) == (role == CONTENT), f"resume key of {phase} and {path} ({role})"
