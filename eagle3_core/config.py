@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 SECRET_KEY_VARIABLE = "EAGLE3_API_KEY"
@@ -51,6 +51,12 @@ class ServerConfig(Section):
     host: str = Field("127.0.0.1", description="Interface the started server binds; loopback by default.")
     port: int = Field(0, ge=0, le=65535, description="Port of the started server; 0 picks a free one.")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor-parallel size (GPUs per engine).")
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="vLLM --data-parallel-size: engines of tensor_parallel_size GPUs each behind the server; requests "
+        "in flight (sampling, extraction) scale with it. Not part of any cache key.",
+    )
     max_model_len: int = Field(2048, ge=16, description="Longest prompt plus completion, in tokens.")
     dtype: str = Field(
         "auto",
@@ -81,6 +87,14 @@ class ServerConfig(Section):
 
     @field_validator("extra_args")
     @classmethod
+    def _data_parallel_is_a_field(cls, args: list[str]) -> list[str]:
+        """The preflight's GPU count and the requests in flight read `data_parallel_size`, never extra_args."""
+        if any(arg.split("=")[0] in ("--data-parallel-size", "-dp") for arg in args):
+            raise ValueError("--data-parallel-size: set server.data_parallel_size instead")
+        return args
+
+    @field_validator("extra_args")
+    @classmethod
     def _no_key_in_args(cls, args: list[str]) -> list[str]:
         """A key on the command line would be in `ps`, events.jsonl, the pid file and every config dump."""
         if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in args):
@@ -104,7 +118,9 @@ class SamplingConfig(Section):
     holdout_fraction: float = Field(
         0.1, ge=0, lt=1, description="Share of prompts kept out of training for evaluation."
     )
-    concurrency: int = Field(16, ge=1, description="Requests in flight at once.")
+    concurrency: int = Field(
+        16, ge=1, description="Requests in flight at once, per data-parallel engine (server.data_parallel_size)."
+    )
     max_tokens: int = Field(384, ge=1, description="Longest completion, in tokens.")
     temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
@@ -132,7 +148,9 @@ class ExtractionConfig(Section):
     )
     samples_per_shard: int = Field(64, ge=1, description="Samples written per safetensors shard.")
     batch_size: int = Field(8, ge=1, description="Samples per forward pass (hf backend).")
-    concurrency: int = Field(8, ge=1, description="Prefill requests in flight at once (vllm backend).")
+    concurrency: int = Field(
+        8, ge=1, description="Prefill requests in flight at once (vllm backend), per data-parallel engine."
+    )
     device: str = Field("auto", description="Torch device of the hf backend: auto, cpu, cuda, cuda:1.")
     reuse_sampling_server: Literal["off", "on", "auto"] = Field(
         "off", description="Extract on the sampling server instead of a second engine (one weight load)."
@@ -239,6 +257,11 @@ class TrainingConfig(Section):
     keep_checkpoints: int = Field(2, ge=1, description="Resumable training states kept (newest first).")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile the draft's dense blocks + fused soft-CE: auto = on CUDA; same math."
+    )
+    processes: Literal["auto"] | PositiveInt = Field(
+        "auto",
+        description="Processes the flow's training starts under torchrun: auto = one per visible CUDA device (1 on "
+        "a CPU); N > 1 on a CPU = N gloo workers. Not part of the cache key.",
     )
 
     @model_validator(mode="after")

@@ -33,14 +33,19 @@ EXPORT_DIR = "export"
 STATE_DIR = "state"
 KEY_FILE = "key.json"
 FORMAT_VERSION = 1
-# Fields that do not change the trained weights (where it runs, how often it saves, whether it is compiled)
-# stay out of the key.
-NOT_IN_KEY = {"device", "checkpoint_every", "keep_checkpoints", "compile"}
+# Fields that do not change the trained weights (where it runs, how often it saves, whether it is compiled, in
+# how many processes) stay out of the key.
+NOT_IN_KEY = {"device", "checkpoint_every", "keep_checkpoints", "compile", "processes"}
 
 
 def phase_config(config: PipelineConfig) -> dict:
     fields = config.training.model_dump(mode="json", exclude=NOT_IN_KEY)
     return {"format_version": FORMAT_VERSION, **fields}
+
+
+def upstream_of(hidden_states: HiddenStateSet, vocab_map: VocabMap, target: TargetModel) -> dict[str, str]:
+    """The inputs' digests a checkpoint records (and is reused for)."""
+    return {"hidden_states": hidden_states.digest, "vocab_map": vocab_map.digest, "target": target.digest}
 
 
 def target_rms_eps(target: TargetModel) -> float:
@@ -51,6 +56,14 @@ def target_rms_eps(target: TargetModel) -> float:
 def cached_checkpoint(out_dir: Path, cfg: dict, upstream: dict) -> DraftCheckpoint | None:
     stored = DraftCheckpoint.load_valid(out_dir)
     return stored if stored is not None and stored.config == cfg and stored.upstream == upstream else None
+
+
+def reused_checkpoint(out_dir: Path, cfg: dict, upstream: dict, events: RunEvents) -> DraftCheckpoint | None:
+    """`cached_checkpoint`, with its cache hit recorded."""
+    cached = cached_checkpoint(out_dir, cfg, upstream)
+    if cached is not None:
+        events.record(PHASE, CACHE_HIT, f"draft at {out_dir} is trained and valid", digest=cached.digest)
+    return cached
 
 
 def prepare_state_dir(state_dir: Path, key: str, events: RunEvents, group: Group) -> None:
@@ -126,10 +139,8 @@ def train_draft(
     tc = config.training
     out_dir = Path(config.run_dir) / OUT_DIR
     cfg = phase_config(config)
-    upstream = {"hidden_states": hidden_states.digest, "vocab_map": vocab_map.digest, "target": target.digest}
-    cached = cached_checkpoint(out_dir, cfg, upstream)
-    if cached is not None:
-        events.record(PHASE, CACHE_HIT, f"draft at {out_dir} is trained and valid", digest=cached.digest)
+    upstream = upstream_of(hidden_states, vocab_map, target)
+    if (cached := reused_checkpoint(out_dir, cfg, upstream, events)) is not None:
         return cached
     group = init_group(tc.device)
     recorder = events if group.is_main else None  # every rank checks, one line is logged
