@@ -4,12 +4,14 @@ gloo ranks of `eagle3 train` (tiny random Llama, tiny hf-extracted states), and
 - both ranks train one draft: world 2, a log folder per rank, rank 0's progress relayed to the task;
 - the draft is the one `torchrun --nproc-per-node 2 eagle3 train` trains by hand on the same data (same
   loss, same weights);
+- a rank that fails fails the training with its error, traceback and log tail, and leaves nothing running;
 - SIGKILL of the flow process mid-training leaves no rank or agent alive, and the next run resumes at the
   last checkpoint."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,9 +34,10 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RESUME, RunEvents
 from eagle3_core.extraction import extract_hidden_states
 from eagle3_core.target.prepare import prepare_target
-from eagle3_core.training.launch import LAUNCH_DIR, LOGS_DIR
+from eagle3_core.training.launch import LAUNCH_DIR, LOGS_DIR, PID_FILE, RankFailed, train_draft_on_host
 from eagle3_core.training.phase import EXPORT_DIR, OUT_DIR, STATE_DIR
 from eagle3_core.vocab import build_vocab_map
+from tasks.policy import is_deterministic
 
 pytestmark = pytest.mark.slow
 
@@ -136,6 +139,17 @@ def processes_of(run_dir: Path) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return found
+
+
+def test_a_failing_rank_fails_the_training_with_its_error_and_log_tail(data: Data) -> None:
+    config = data.config("failing", warm_start=str(data.root / "no-such-drafter"))
+    with pytest.raises(RankFailed) as failed:
+        train_draft_on_host(config, data.hidden, data.vocab, data.target, RunEvents(config.run_dir))
+    message = str(failed.value)
+    assert re.match(r"training rank [01] failed: FileNotFoundError: .*no-such-drafter/config.json", message), message
+    assert "Traceback (most recent call last)" in message and "stderr.log, " in message and "last lines:" in message
+    assert isinstance(failed.value.__cause__, FileNotFoundError) and is_deterministic(failed.value), "not retried"
+    assert processes_of(config.run_dir) == [] and not (config.run_dir / PID_FILE).exists()
 
 
 def test_a_killed_flow_leaves_no_rank_and_the_next_run_resumes_at_the_checkpoint(prefect_api, data: Data) -> None:
