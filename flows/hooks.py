@@ -15,7 +15,8 @@ logger = get_logger("eagle3.hooks")
 
 
 def pid_files(run_dir: Path) -> list[Path]:
-    """Pid files the serving module writes, one per phase: `<run_dir>/server/<phase>.pid`."""
+    """Pid files the serving module writes, one per phase: `<run_dir>/server/<phase>.pid` (and the training
+    launch's torchrun agent, `training.pid`)."""
     return sorted((Path(run_dir) / "server").glob("*.pid"))
 
 
