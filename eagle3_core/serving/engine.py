@@ -122,9 +122,9 @@ class LogTail:
     """Reads what a process appended to its log file since the last call. tqdm redraws its bar with
     carriage returns, so both `\\r` and `\\n` end a line; an unfinished line waits for the next read."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, offset: int = 0):
         self.path = path
-        self.offset = 0
+        self.offset = offset  # bytes already read (or not to be read)
         self.partial = ""
         self.last: deque[str] = deque(maxlen=LOG_TAIL_LINES)
         self.last_growth = time.monotonic()

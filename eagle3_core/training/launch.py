@@ -362,8 +362,7 @@ def launch_training(
         processes=processes,
         command=command,
     )
-    events_tail = LogTail(events.path)
-    events_tail.offset = events.path.stat().st_size  # what the ranks add from now on
+    events_tail = LogTail(events.path, offset=events.path.stat().st_size)  # what the ranks add from now on
     launch = TorchrunLaunch(command, {**os.environ, LAUNCH_ENV: str(launch_dir)}, logs / AGENT_LOG, run_dir / PID_FILE)
     try:
         returncode = follow(launch.start(), LogTail(launch_dir / PROGRESS_FILE), events_tail, progress, log_line)

@@ -183,6 +183,30 @@ def test_a_child_with_a_parent_death_signal_dies_with_its_parent(tmp_path: Path)
     assert found == [None], "never armed from a helper thread (the signal follows the thread)"
 
 
+def test_a_child_that_arms_the_signal_itself_dies_with_its_parent():
+    """As a torchrun rank does against its agent (`die_with_launcher`): the parent starts it plainly."""
+    arm = "from eagle3_core.serving.parent_death import die_with_launcher; import time; die_with_launcher(); "
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            f"child = subprocess.Popen([sys.executable, '-c', {arm + 'print(1, flush=True); time.sleep(600)'!r}],"
+            " stdout=subprocess.PIPE, text=True)\n"
+            "child.stdout.readline()\n"  # armed
+            "print(child.pid, flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    child = psutil.Process(int(parent.stdout.readline()))
+    parent.kill()
+    parent.wait()
+    child.wait(timeout=10)  # raises TimeoutExpired if the child outlived its parent
+
+
 # --- on a Prefect server that outlives the holders (PREFECT_API_URL) -------------------------------------
 
 
