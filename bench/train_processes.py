@@ -4,9 +4,10 @@ training task runs (`train_draft_on_host`: in this process for 1, a torchrun lau
 Data: hidden states of the embedded SmolLM2-135M-Instruct (hf extraction, float32) for `--samples` samples of
 the test conversations (`tests/extraction_fixtures.py`), vocabulary `--draft-vocab` tokens, made once under
 `--work`. Per process count: the wall time of the whole call (for N: the launch, every rank's imports and
-set-up, training, validation and the export), the set-up before the first step, the loop's own time and
-tokens/s (from events.jsonl and rank 0's curves.jsonl). A step reads `training.batch_size` sequences per
-rank: N ranks train N times the tokens per step, so compare tokens/s, not steps/s.
+set-up, training, validation and the export), the set-up before the first step, the loop's own time, and
+tokens/s: the median of the loop's report windows, all ranks' tokens (events.jsonl, rank 0's curves.jsonl).
+A step reads `training.batch_size` sequences per rank: N ranks train N times the tokens per step, so compare
+tokens/s, not steps/s.
 
   PYTHONPATH=. python bench/train_processes.py --work /tmp/train-processes --processes 1 2 --out results.json
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -70,7 +72,7 @@ def measure(args: argparse.Namespace, data, processes: int) -> dict:
         "wall_s": round(wall_s, 1),
         "setup_s": round(loop_start - started, 1),
         "loop_and_validation_s": round(loop_end - loop_start, 1),
-        "tokens_per_s": round(rows[-1]["tokens_per_s"], 1),
+        "tokens_per_s": round(statistics.median(row["tokens_per_s"] for row in rows), 1),
         "final_loss": round(checkpoint.metrics["loss"], 4),
     }
 
