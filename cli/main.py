@@ -295,21 +295,34 @@ def vocab_command(
 
 
 @command("train")
-def train_command(config: ConfigOption = None, set_: SetOption = None) -> None:
+def train_command(
+    hidden_states: Annotated[
+        Path | None, typer.Option("--hidden-states", help="HiddenStateSet folder (default: <run_dir>/hidden_states).")
+    ] = None,
+    vocab: Annotated[Path | None, typer.Option("--vocab", help="VocabMap folder (default: <run_dir>/vocab).")] = None,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+) -> None:
     """Train the draft on <run_dir>/hidden_states with <run_dir>/vocab (resumes from the newest training
-    state); exports the vLLM-loadable folder to <run_dir>/draft/export. Under torchrun: one process per GPU."""
+    state); exports the vLLM-loadable folder to <run_dir>/draft/export. Under torchrun: one process per GPU
+    (the flow's training task launches it so for training.processes > 1); a failing rank's error is recorded
+    for torchrun."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     from eagle3_core.artifacts import HiddenStateSet, VocabMap
     from eagle3_core.progress import rich_progress
     from eagle3_core.target.prepare import prepare_target
     from eagle3_core.training import train_draft
+    from eagle3_core.training.launch import launched_rank
 
     cfg = resolve_config(config, set_)
     events = run_events(cfg)
-    hidden = load_upstream(HiddenStateSet, RunLayout.of(cfg).hidden_states, "extract")
-    vocab_map = load_upstream(VocabMap, RunLayout.of(cfg).vocab, "vocab")
+    layout = RunLayout.of(cfg)
+    hidden = load_upstream(HiddenStateSet, hidden_states or layout.hidden_states, "extract")
+    vocab_map = load_upstream(VocabMap, vocab or layout.vocab, "vocab")
     target = prepare_target(cfg.target, events)
-    with rich_progress() as progress:
-        checkpoint = train_draft(cfg, hidden, vocab_map, target, events, progress=progress)
+    with launched_rank() or rich_progress() as progress:
+        checkpoint = record(train_draft)(cfg, hidden, vocab_map, target, events, progress=progress)
     metrics = {k: round(v, 4) for k, v in checkpoint.metrics.items() if k.startswith(("val_", "initial_val_top1"))}
     console.print(f"trained {checkpoint.step} steps; {metrics}; {checkpoint.path_of('export')}", highlight=False)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 SECRET_KEY_VARIABLE = "EAGLE3_API_KEY"
@@ -114,6 +114,13 @@ class ServerConfig(Section):
         description="Longest prompt plus completion, in tokens.",
         json_schema_extra=roles(sampling=CONTENT, extraction=OPERATIONAL, evaluation=VLLM),
     )
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="vLLM --data-parallel-size: engines of tensor_parallel_size GPUs each behind the server; requests "
+        "in flight (sampling, extraction) scale with it.",
+        json_schema_extra=operational("sampling", "extraction", "evaluation"),
+    )
     dtype: str = Field(
         "auto",
         description="vLLM --dtype (compute dtype of serving and vllm extraction); auto: bfloat16 on CUDA and on "
@@ -175,6 +182,14 @@ class ServerConfig(Section):
 
     @field_validator("extra_args")
     @classmethod
+    def _data_parallel_is_a_field(cls, args: list[str]) -> list[str]:
+        """The preflight's GPU count and the requests in flight read `data_parallel_size`, never extra_args."""
+        if any(arg.split("=")[0] in ("--data-parallel-size", "-dp") for arg in args):
+            raise ValueError("--data-parallel-size: set server.data_parallel_size instead")
+        return args
+
+    @field_validator("extra_args")
+    @classmethod
     def _no_key_in_args(cls, args: list[str]) -> list[str]:
         """A key on the command line would be in `ps`, events.jsonl, the pid file and every config dump."""
         if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in args):
@@ -206,7 +221,10 @@ class SamplingConfig(Section):
         json_schema_extra=roles(sampling=OPERATIONAL, extraction=CONTENT, vocab=CONTENT, evaluation=CONTENT),
     )
     concurrency: int = Field(
-        16, ge=1, description="Requests in flight at once.", json_schema_extra=operational("sampling")
+        16,
+        ge=1,
+        description="Requests in flight at once, per data-parallel engine (server.data_parallel_size).",
+        json_schema_extra=operational("sampling"),
     )
     max_tokens: int = Field(
         384, ge=1, description="Longest completion, in tokens.", json_schema_extra=content("sampling")
@@ -272,7 +290,7 @@ class ExtractionConfig(Section):
     concurrency: int = Field(
         8,
         ge=1,
-        description="Prefill requests in flight at once (vllm backend).",
+        description="Prefill requests in flight at once (vllm backend), per data-parallel engine.",
         json_schema_extra=operational("extraction"),
     )
     device: str = Field(
@@ -474,6 +492,12 @@ class TrainingConfig(Section):
     compile: Literal["auto", "on", "off"] = Field(
         "auto",
         description="torch.compile the draft's dense blocks + fused soft-CE: auto = on CUDA; same math.",
+        json_schema_extra=operational("training"),
+    )
+    processes: Literal["auto"] | PositiveInt = Field(
+        "auto",
+        description="Processes the flow's training starts under torchrun: auto = one per visible CUDA device (1 on "
+        "a CPU); N > 1 on a CPU = N gloo workers.",
         json_schema_extra=operational("training"),
     )
 

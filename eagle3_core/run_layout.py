@@ -28,6 +28,11 @@ class DraftLayout:
         """Resumable training states (only in the training run's folder)."""
         return self.root / STATE
 
+    @property
+    def launch(self) -> Path:
+        """A torchrun launch of training (`training.processes` > 1): its config, rank 0's progress, rank logs."""
+        return self.root / "launch"
+
 
 @dataclass(frozen=True)
 class PromotedLayout:
@@ -104,6 +109,7 @@ class RunLayout:
         return self.server / f"{phase}.pid"
 
     def pid_files(self) -> list[Path]:
+        """Every engine's pid file, and the training launch's torchrun agent (`training.pid`)."""
         return sorted(self.server.glob("*.pid"))
 
     @property

@@ -1,13 +1,15 @@
 """Prefect task of draft training. Keyed on the training settings marked content (not device, sharding,
-compilation or checkpointing), the upstream manifests and, for a warm start, the files of the checkpoint
-started from:
-the nightly run warm-starts from `current`, a folder whose name stays while its drafter changes. The
-training curves (`<run_dir>/draft/training_curves.png`) become the `training-curves` artifact."""
+compilation, checkpointing or the process count), the upstream manifests and, for a warm start, the files of
+the checkpoint started from: the nightly run warm-starts from `current`, a folder whose name stays while its
+drafter changes. `training.processes` > 1 runs torchrun as a child of this task, holding the `gpu` slot for
+the whole launch, with rank 0's progress and the run's events relayed here (`eagle3_core.training.launch`).
+The training curves (`<run_dir>/draft/training_curves.png`) become the `training-curves` artifact."""
 
 from __future__ import annotations
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
+from prefect.logging import get_run_logger
 
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap
 from eagle3_core.config import PipelineConfig
@@ -30,11 +32,16 @@ POLICY = PhaseCachePolicy(spec=TRAINING, extra=warm_start_identity)
 def train_draft_task(
     config: PipelineConfig, hidden_states: HiddenStateSet, vocab_map: VocabMap, target: TargetModel
 ) -> DraftCheckpoint:
-    """Train (or resume training) the draft; exports the vLLM-loadable folder."""
-    from eagle3_core.training import train_draft
+    """Train (or resume training) the draft in `training.processes` processes; exports the vLLM-loadable folder."""
+    from eagle3_core.training.launch import train_draft_on_host
 
+    log_line = get_run_logger().info
     checkpoint = run_gpu_phase(
-        PHASE, config, lambda events, progress: train_draft(config, hidden_states, vocab_map, target, events, progress)
+        PHASE,
+        config,
+        lambda events, progress: train_draft_on_host(
+            config, hidden_states, vocab_map, target, events, progress, log_line
+        ),
     )
     curves = curves_markdown(checkpoint.root_path)
     if curves is not None:

@@ -169,14 +169,13 @@ def open_vllm_backend(
     here when needed), else start one extraction server (one weight load) and stop it on exit.
     `max_tokens` is the longest sample: the server's context is widened to hold it plus the one
     generated token."""
-    from eagle3_core.serving.engine import VllmServer
+    from eagle3_core.serving.engine import VllmServer, requests_in_flight
 
     timeout_s = config.sampling.request_timeout_s
+    in_flight = requests_in_flight(config.server, config.extraction.concurrency)
     if server is not None:
         running = running_server(server, PHASE, progress, max_tokens + 1)
-        backend = VllmBackend(
-            running.base_url, running.api_key, config.extraction.concurrency, timeout_s, running.exit_report
-        )
+        backend = VllmBackend(running.base_url, running.api_key, in_flight, timeout_s, running.exit_report)
         try:
             yield backend
         finally:
@@ -192,9 +191,7 @@ def open_vllm_backend(
                       "to hold the longest sample", max_model_len=max_tokens + 1)  # fmt: skip
     args = extraction_args(layer_ids, target.num_layers, incoming.resolve())
     with VllmServer(server_config, target.root_path, config.run_dir, events, progress, args, PHASE) as running:
-        backend = VllmBackend(
-            running.base_url, running.api_key, config.extraction.concurrency, timeout_s, running.exit_report
-        )
+        backend = VllmBackend(running.base_url, running.api_key, in_flight, timeout_s, running.exit_report)
         try:
             yield backend
         except EngineDied as exc:

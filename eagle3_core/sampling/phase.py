@@ -36,6 +36,7 @@ from eagle3_core.serving.engine import (
     ExternalServer,
     VllmServer,
     open_server,
+    requests_in_flight,
 )
 from eagle3_core.serving.shared import SharedServer, running_server
 
@@ -291,10 +292,11 @@ def sample_with(
         writer.add(row)
         counts(row)
 
+    in_flight = requests_in_flight(config.server, config.sampling.concurrency)
     sampler = Sampler(
         server.base_url,
         server.api_key,
-        config.sampling,
+        config.sampling.model_copy(update={"concurrency": in_flight}),
         ChatTokenizer(target.root),
         config.server.max_model_len,
         server.exit_report,

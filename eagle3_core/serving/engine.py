@@ -50,6 +50,7 @@ __all__ = [
     "VllmServer",
     "free_port",
     "open_server",
+    "requests_in_flight",
     "stop_server",
 ]
 
@@ -122,9 +123,9 @@ class LogTail:
     """Reads what a process appended to its log file since the last call. tqdm redraws its bar with
     carriage returns, so both `\\r` and `\\n` end a line; an unfinished line waits for the next read."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, offset: int = 0):
         self.path = path
-        self.offset = 0
+        self.offset = offset  # bytes already read (or not to be read)
         self.partial = ""
         self.last: deque[str] = deque(maxlen=LOG_TAIL_LINES)
         self.last_growth = time.monotonic()
@@ -207,6 +208,12 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
+def requests_in_flight(config: ServerConfig, per_engine: int) -> int:
+    """Requests to keep in flight against the server: `per_engine` (sampling.concurrency,
+    extraction.concurrency) for each of its `data_parallel_size` engines; an external server counts as one."""
+    return per_engine * (config.data_parallel_size if config.engine == "vllm" else 1)
+
+
 def build_command(
     config: ServerConfig, model_dir: Path | str, port: int, extra_args: list[str] | None = None
 ) -> list[str]:
@@ -229,6 +236,8 @@ def build_command(
         "--dtype",
         resolve_dtype(config.dtype, has_cuda_gpus()),
     ]
+    if config.data_parallel_size > 1:
+        command += ["--data-parallel-size", str(config.data_parallel_size)]
     if has_cuda_gpus():
         command += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     if config.enforce_eager:

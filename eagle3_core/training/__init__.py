@@ -1,5 +1,6 @@
 """Draft training: train-time-test attention (`attention`), the loss (`loss`), the training loop and its
-resumable state (`loop`), and torchrun process groups (`distributed`).
+resumable state (`loop`), torchrun process groups (`distributed`) and the flow's launch of torchrun over
+`training.processes` processes (`launch`).
 
 `train_draft` imports the loop on first call: the model, attention and loss import only torch, so the GPU
 benchmark can use them on a machine without pydantic."""

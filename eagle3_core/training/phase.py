@@ -39,6 +39,11 @@ def phase_config(config: PipelineConfig) -> dict:
     return {**phase_key(config, TRAINING), "warm_start": folder_identity(config.training.warm_start)}
 
 
+def upstream_of(hidden_states: HiddenStateSet, vocab_map: VocabMap, target: TargetModel) -> dict[str, str]:
+    """The inputs' digests a checkpoint records (and is reused for)."""
+    return {"hidden_states": hidden_states.digest, "vocab_map": vocab_map.digest, "target": target.digest}
+
+
 def target_rms_eps(target: TargetModel) -> float:
     data = json.loads((target.root_path / "config.json").read_text())
     return data.get("text_config", data).get("rms_norm_eps", 1e-6)
@@ -47,6 +52,14 @@ def target_rms_eps(target: TargetModel) -> float:
 def cached_checkpoint(out_dir: Path, cfg: dict, upstream: dict) -> DraftCheckpoint | None:
     stored = DraftCheckpoint.load_valid(out_dir)
     return stored if stored is not None and stored.config == cfg and stored.upstream == upstream else None
+
+
+def reused_checkpoint(out_dir: Path, cfg: dict, upstream: dict, events: RunEvents) -> DraftCheckpoint | None:
+    """`cached_checkpoint`, with its cache hit recorded."""
+    cached = cached_checkpoint(out_dir, cfg, upstream)
+    if cached is not None:
+        events.record(PHASE, CACHE_HIT, f"draft at {out_dir} is trained and valid", digest=cached.digest)
+    return cached
 
 
 def prepare_state_dir(state_dir: Path, key: str, events: RunEvents, group: Group) -> None:
@@ -121,10 +134,8 @@ def train_draft(
     draft_dir = RunLayout.of(config).draft
     out_dir = draft_dir.root
     cfg = phase_config(config)
-    upstream = {"hidden_states": hidden_states.digest, "vocab_map": vocab_map.digest, "target": target.digest}
-    cached = cached_checkpoint(out_dir, cfg, upstream)
-    if cached is not None:
-        events.record(PHASE, CACHE_HIT, f"draft at {out_dir} is trained and valid", digest=cached.digest)
+    upstream = upstream_of(hidden_states, vocab_map, target)
+    if (cached := reused_checkpoint(out_dir, cfg, upstream, events)) is not None:
         return cached
     group = init_group(tc.device)
     recorder = events if group.is_main else None  # every rank checks, one line is logged

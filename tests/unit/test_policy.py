@@ -303,7 +303,7 @@ def test_the_training_task_publishes_the_training_curves(config, tmp_path, monke
     rows = [{"kind": "train", "step": s, "loss": 3.0 / s, "top1_0": 0.1 * s, "lr": 1e-3} for s in (1, 2, 3)]
     (draft_dir / PLOT_FILE).write_bytes(curves_png(rows))
     checkpoint = DraftCheckpoint(root=str(draft_dir), step=3)
-    monkeypatch.setattr("eagle3_core.training.train_draft", lambda *args, **kwargs: checkpoint)
+    monkeypatch.setattr("eagle3_core.training.launch.train_draft", lambda *args, **kwargs: checkpoint)
     ensure_concurrency_limit(config.orchestration.gpu_limit)
 
     @flow

@@ -25,6 +25,8 @@ from eagle3_core.preflight import (
     preflight_extraction,
     preflight_training,
     sample_set_target_problems,
+    server_gpus,
+    server_gpus_source,
     target_files_problems,
 )
 from eagle3_core.target.prepare import describe_folder
@@ -83,6 +85,16 @@ def test_gpus_must_be_visible_and_free():
     assert gpu_problem(1, 1, {}) is None
     assert "needs 8 GPU(s), 1 visible" in gpu_problem(8, 1, {})
     assert "pid 4242 (70000 MiB)" in gpu_problem(1, 1, {4242: 70000})
+
+
+def test_a_server_takes_tensor_times_data_parallel_gpus():
+    server = PipelineConfig(server={"tensor_parallel_size": 4, "data_parallel_size": 2}).server
+    assert server_gpus(server) == 8
+    assert gpu_problem(server_gpus(server), 8, {}, server_gpus_source(server)) is None
+    problem = gpu_problem(server_gpus(server), 4, {}, server_gpus_source(server))
+    assert problem.startswith(
+        "the phase needs 8 GPU(s) (server.tensor_parallel_size 4 x data_parallel_size 2), 4 visible"
+    )
 
 
 def test_checkpoint_estimate_grows_with_kept_states():

@@ -34,6 +34,19 @@ def test_command_uses_module_entrypoint_and_config(monkeypatch):
     assert "--gpu-memory-utilization" not in command
 
 
+def test_data_parallelism_is_vllms_own_and_scales_the_requests_in_flight(monkeypatch):
+    monkeypatch.setattr(serving, "has_cuda_gpus", lambda: False)
+    assert "--data-parallel-size" not in serving.build_command(ServerConfig(), "/m", 8123)
+    command = serving.build_command(ServerConfig(tensor_parallel_size=2, data_parallel_size=4), "/m", 8123)
+    assert "--tensor-parallel-size 2" in " ".join(command) and "--data-parallel-size 4" in " ".join(command)
+    assert serving.requests_in_flight(ServerConfig(data_parallel_size=4), 16) == 64
+    assert serving.requests_in_flight(ServerConfig(), 16) == 16
+    assert serving.requests_in_flight(ServerConfig(engine="external", data_parallel_size=4), 16) == 16
+    for flag in (["--data-parallel-size", "2"], ["--data-parallel-size=2"], ["-dp", "2"]):
+        with pytest.raises(ValueError, match=r"server\.data_parallel_size"):
+            ServerConfig(extra_args=flag)
+
+
 def test_env_is_offline_and_carries_key_outside_argv(monkeypatch):
     monkeypatch.setenv("MY_KEY", "s3cret")
     config = ServerConfig(api_key_env="MY_KEY", env={"VLLM_CPU_KVCACHE_SPACE": "2"})

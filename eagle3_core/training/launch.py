@@ -1,0 +1,393 @@
+"""Every GPU of the host for training, from the flow: the training task starts PyTorch's own launcher,
+`python -m torch.distributed.run` (torchrun: its elastic agent, its per-rank logs), running `eagle3 train`
+in `training.processes` processes, as a child of the task. Nothing here schedules, restarts or
+rendezvouses ranks: torchrun does (`--max-restarts 0`: a failed rank fails the launch; the task's retry
+resumes from the last checkpoint).
+
+- How many (`resolve_processes`): `auto` is every visible CUDA device, 1 on a CPU. One process trains in
+  the task's own process (`train_draft`: the world of 1 needs no process group, no child to start, and
+  keeps the path every single-GPU and CPU run took before); more are launched.
+- What the ranks read: the run's config, written to `<run_dir>/draft/launch/config.yaml`, and the task's
+  own upstream folders (`eagle3 train --hidden-states --vocab`). The command is the README's hand-run
+  `torchrun ... eagle3 train`, so a launched run and a hand-run one train the same draft; the checkpoint
+  the ranks leave must record the task's inputs, or the task fails.
+- What comes back: `EAGLE3_LAUNCH_DIR` tells the ranks they are launched; rank 0 appends its progress
+  updates to `launch/progress.jsonl` (`launched_rank`), which the task tails into its progress callback,
+  and the run's `events.jsonl` (every rank writes there) is tailed into the task's log. torchrun keeps each
+  rank's stdout, stderr and error record under `launch/logs/<run id>/attempt_0/<rank>/`; the agent's own
+  output, with every rank's teed, is `launch/logs/torchrun.log`. The logs of the launch before are kept
+  once, as `launch/logs.previous/`.
+- A failed rank fails the task with `RankFailed`: the rank that failed first (torchrun's error records),
+  its error, traceback and log tail. The rank's exception is its cause, so the task's retry condition
+  judges it as it would in-process (an injected fault or a bad input is not retried).
+- Nothing outlives the task: the agent runs in its own process group with the parent-death signal and a
+  pid file, `<run_dir>/server/training.pid`, as an engine does (the flow's crash and cancel hooks and the
+  next launch stop what it names); each rank arms the same signal against its agent; any exit of the task
+  (failure, fault, timeout, cancellation) stops the whole tree.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap
+from eagle3_core.config import ConfigError, PipelineConfig, dump_config
+from eagle3_core.events import DECISION, RunEvents
+from eagle3_core.files import write_text_atomic
+from eagle3_core.preflight import visible_gpus
+from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
+from eagle3_core.run_layout import RunLayout
+from eagle3_core.serving.engine import LogTail, exit_description, log_excerpt
+from eagle3_core.serving.parent_death import die_with_launcher, die_with_parent
+from eagle3_core.serving.processes import POLL_S, stop_server
+from eagle3_core.training.phase import (
+    PHASE,
+    cached_checkpoint,
+    phase_config,
+    reused_checkpoint,
+    train_draft,
+    upstream_of,
+)
+
+LAUNCH_ENV = "EAGLE3_LAUNCH_DIR"
+CONFIG_FILE = "config.yaml"
+PROGRESS_FILE = "progress.jsonl"
+LOGS_DIR = "logs"
+PREVIOUS_LOGS_DIR = "logs.previous"
+AGENT_LOG = "torchrun.log"
+# SIGTERM to SIGKILL when the task stops a launch: torchrun's own default shutdown timeout.
+STOP_GRACE_S = 30.0
+GPU_RELEASE_S = 120.0
+TRACEBACK_LINES = 30
+# Where a rank's exception class may be looked up again in this process (`rank_exception`).
+KNOWN_MODULES = ("builtins", "eagle3_core", "torch")
+
+LogCallback = Callable[[str], None]
+log = logging.getLogger("eagle3.training")
+
+
+class RankFailed(RuntimeError):
+    """A rank of a launched training failed; the message names it, its error and its log's last lines."""
+
+
+def resolve_processes(setting: int | str, device: str, visible: int) -> int:
+    """`training.processes` on this host: `auto` is one process per visible CUDA device where training runs
+    on CUDA (`training.device` auto or cuda), else 1; N stays N (N > 1 on a CPU: gloo workers). N > 1 on
+    one named GPU, or more CUDA processes than visible devices, is a `ConfigError` naming the fields."""
+    per_gpu = device in ("auto", "cuda") and visible > 0
+    if setting == "auto":
+        return visible if per_gpu else 1
+    processes = int(setting)
+    if processes > 1 and device.startswith("cuda:"):
+        raise ConfigError(
+            f"training.processes={processes} with training.device={device}: every rank would train on that one "
+            "GPU; set training.device to auto or cuda (rank r takes cuda:r)"
+        )
+    if per_gpu and processes > visible:
+        raise ConfigError(
+            f"training.processes={processes}: {visible} CUDA device(s) visible (nvidia-smi, CUDA_VISIBLE_DEVICES)"
+        )
+    return processes
+
+
+def eagle3_script() -> Path:
+    """The `eagle3` console script of this environment (beside its Python), else the one on PATH."""
+    beside = Path(sys.executable).with_name("eagle3")
+    found = beside if beside.is_file() else Path(shutil.which("eagle3") or "")
+    if not found.is_file():
+        raise FileNotFoundError(f"no eagle3 command beside {sys.executable} or on PATH: install the package")
+    return found
+
+
+def worker_command(script: Path, config_file: Path, hidden_states: Path, vocab: Path) -> list[str]:
+    """What every rank runs: `eagle3 train` on the task's config and upstream folders."""
+    return [str(script), "train", "-c", str(config_file), "--hidden-states", str(hidden_states), "--vocab", str(vocab)]
+
+
+def torchrun_command(processes: int, log_dir: Path, worker: list[str]) -> list[str]:
+    """PyTorch's launcher on this host: a standalone c10d rendezvous on a free port, `processes` workers,
+    no restarts, every rank's stdout and stderr kept under `log_dir` and teed to the agent's output."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(processes),
+        "--max-restarts",
+        "0",
+        "--log-dir",
+        str(log_dir),
+        "--redirects",
+        "3",
+        "--tee",
+        "3",
+        *worker,
+    ]
+
+
+@contextmanager
+def progress_writer(path: Path) -> Iterator[ProgressCallback]:
+    """A callback appending each update to `path` as one JSON line, in one O_APPEND write."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(update: ProgressUpdate) -> None:
+        os.write(fd, (update.model_dump_json() + "\n").encode())
+
+    try:
+        yield write
+    finally:
+        os.close(fd)
+
+
+def launched_rank() -> AbstractContextManager[ProgressCallback] | None:
+    """In a rank of a launch (`EAGLE3_LAUNCH_DIR` set): arm the parent-death signal against the agent, and
+    give the progress callback: rank 0's updates go to the launch's progress file, the other ranks' nowhere.
+    None outside a launch (a plain `eagle3 train`, or one under a hand-run torchrun)."""
+    launch_dir = os.environ.get(LAUNCH_ENV)
+    if launch_dir is None:
+        return None
+    die_with_launcher(signal.SIGTERM)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return nullcontext(ignore_progress)
+    return progress_writer(Path(launch_dir) / PROGRESS_FILE)
+
+
+@dataclass(frozen=True)
+class RankError:
+    """One rank's error record (`error.json`, written by torch's `record` in `eagle3 train`)."""
+
+    rank: int
+    message: str  # "ValueError: ..."
+    traceback: str
+    timestamp: int
+    log: Path  # the rank's stderr
+
+
+def rank_errors(log_dir: Path) -> list[RankError]:
+    """The error records torchrun kept under `log_dir` (`<run id>/attempt_<n>/<rank>/error.json`), the
+    first failure first. A record that cannot be read is left out."""
+    errors = []
+    for path in log_dir.glob("*/attempt_*/*/error.json"):
+        try:
+            record = json.loads(path.read_text())["message"]
+            extra = record["extraInfo"]
+            errors.append(
+                RankError(
+                    int(path.parent.name),
+                    record["message"],
+                    extra["py_callstack"],
+                    int(extra["timestamp"]),
+                    path.with_name("stderr.log"),
+                )
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return sorted(errors, key=lambda error: (error.timestamp, error.rank))
+
+
+def exception_class_name(message: str, traceback: str) -> str | None:
+    """The dotted class name of a rank's exception: `message` starts with its bare name (`PreflightError:
+    ...`), and the traceback's line of that exception with the name as Python prints it
+    (`eagle3_core.preflight.PreflightError: ...`; a builtin bare)."""
+    bare = message.partition(":")[0]
+    for line in reversed(traceback.splitlines()):
+        name = line.partition(":")[0]
+        if name == bare or name.endswith(f".{bare}"):
+            return name
+    return None
+
+
+def rank_exception(error: RankError) -> BaseException | None:
+    """The rank's exception made again here, of its own class (a builtin, or one of this package or torch)
+    and with its text, so a retry condition can judge it; None where the class cannot be found."""
+    name = exception_class_name(error.message, error.traceback)
+    if name is None:
+        return None
+    module, _, class_name = name.rpartition(".")
+    module = module or "builtins"
+    if module.split(".")[0] not in KNOWN_MODULES:
+        return None
+    try:
+        kind = getattr(importlib.import_module(module), class_name)
+        exception = kind.__new__(kind)
+        BaseException.__init__(exception, error.message.partition(": ")[2])
+    except Exception:
+        return None
+    return exception if isinstance(exception, BaseException) else None
+
+
+def last_lines(text: str, count: int) -> str:
+    return "\n".join(text.rstrip().splitlines()[-count:])
+
+
+def launch_failure(returncode: int, log_dir: Path) -> RankFailed:
+    """Why a launch ended with `returncode`: the first rank's error, its traceback and log tail, caused by
+    that rank's exception; without an error record (a rank killed by a signal), the agent's log tail."""
+    errors = rank_errors(log_dir)
+    if not errors:
+        return RankFailed(
+            f"torchrun ended with {exit_description(returncode)}; no rank left an error record; "
+            f"{log_excerpt(log_dir / AGENT_LOG)}"
+        )
+    first = errors[0]
+    others = [error.rank for error in errors[1:]]
+    failure = RankFailed(
+        f"training rank {first.rank} failed: {first.message}"
+        + (f" (then ranks {others} failed too)" if others else "")
+        + f"\n{last_lines(first.traceback, TRACEBACK_LINES)}\nrank {first.rank}'s {log_excerpt(first.log)}"
+    )
+    failure.__cause__ = rank_exception(first)
+    return failure
+
+
+class TorchrunLaunch:
+    """The agent of one launch: started in its own process group, with the parent-death signal and a pid
+    file; `stop()` ends its whole tree (every rank included) and may be called twice."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log_path: Path, pid_file: Path):
+        self.command, self.env, self.log_path, self.pid_file = command, env, log_path, pid_file
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> subprocess.Popen[bytes]:
+        stop_server(self.pid_file, STOP_GRACE_S, GPU_RELEASE_S)  # a launch left by a killed run
+        self.pid_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as out:
+            self.process = subprocess.Popen(
+                self.command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=die_with_parent(signal.SIGTERM),  # not orphaned if the task's process is killed
+            )
+        pid = self.process.pid
+        started = psutil.Process(pid).create_time()
+        record = {"pid": pid, "pgid": pid, "started": started, "command": self.command}
+        write_text_atomic(self.pid_file, json.dumps(record))
+        return self.process
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        stop_server(self.pid_file, STOP_GRACE_S, GPU_RELEASE_S)  # also removes the pid file
+        self.process.wait()
+        self.process = None
+
+
+def relay(progress_tail: LogTail, events_tail: LogTail, progress: ProgressCallback, log_line: LogCallback) -> None:
+    """Hand rank 0's new progress updates to `progress` and the run's new events to `log_line`."""
+    for line in events_tail.read_lines():
+        event = json.loads(line)
+        log_line(f"[{event['phase']}] {event['message']}")
+    for line in progress_tail.read_lines():
+        progress(ProgressUpdate.model_validate_json(line))
+
+
+def follow(
+    process: subprocess.Popen[bytes],
+    progress_tail: LogTail,
+    events_tail: LogTail,
+    progress: ProgressCallback,
+    log_line: LogCallback,
+) -> int:
+    """Relay until the agent exits; its return code."""
+    while True:
+        returncode = process.poll()
+        relay(progress_tail, events_tail, progress, log_line)
+        if returncode is not None:
+            return returncode
+        time.sleep(POLL_S)
+
+
+def fresh_logs(launch_dir: Path) -> Path:
+    """An empty `logs/` for this launch; the one before is kept as `logs.previous/`."""
+    logs, previous = launch_dir / LOGS_DIR, launch_dir / PREVIOUS_LOGS_DIR
+    if logs.exists():
+        shutil.rmtree(previous, ignore_errors=True)
+        logs.replace(previous)
+    logs.mkdir(parents=True)
+    return logs
+
+
+def launch_training(
+    config: PipelineConfig,
+    hidden_states: HiddenStateSet,
+    vocab_map: VocabMap,
+    target: TargetModel,
+    processes: int,
+    events: RunEvents,
+    progress: ProgressCallback = ignore_progress,
+    log_line: LogCallback = log.info,
+) -> DraftCheckpoint:
+    """Train in `processes` ranks under torchrun (see the module docstring) and return the checkpoint."""
+    layout = RunLayout.of(config)
+    cfg, upstream = phase_config(config), upstream_of(hidden_states, vocab_map, target)
+    if (cached := reused_checkpoint(layout.draft.root, cfg, upstream, events)) is not None:
+        return cached
+    launch_dir = layout.draft.launch
+    launch_dir.mkdir(parents=True, exist_ok=True)
+    logs = fresh_logs(launch_dir)
+    config_file = launch_dir / CONFIG_FILE
+    write_text_atomic(config_file, dump_config(config))
+    (launch_dir / PROGRESS_FILE).unlink(missing_ok=True)
+    worker = worker_command(eagle3_script(), config_file, hidden_states.root_path, vocab_map.root_path)
+    command = torchrun_command(processes, logs, worker)
+    events.record(
+        PHASE,
+        DECISION,
+        f"training in {processes} processes under torchrun (training.processes={config.training.processes}); "
+        f"rank logs in {logs}",
+        processes=processes,
+        command=command,
+    )
+    events_tail = LogTail(events.path, offset=events.path.stat().st_size)  # what the ranks add from now on
+    launch = TorchrunLaunch(
+        command, {**os.environ, LAUNCH_ENV: str(launch_dir)}, logs / AGENT_LOG, layout.pid_file(PHASE)
+    )
+    try:
+        returncode = follow(launch.start(), LogTail(launch_dir / PROGRESS_FILE), events_tail, progress, log_line)
+    finally:
+        launch.stop()
+    if returncode != 0:
+        raise launch_failure(returncode, logs)
+    checkpoint = cached_checkpoint(layout.draft.root, cfg, upstream)
+    if checkpoint is None:
+        raise RankFailed(
+            f"torchrun ended well, yet {layout.draft.root} holds no checkpoint of the task's inputs and settings"
+        )
+    return checkpoint
+
+
+def train_draft_on_host(
+    config: PipelineConfig,
+    hidden_states: HiddenStateSet,
+    vocab_map: VocabMap,
+    target: TargetModel,
+    events: RunEvents,
+    progress: ProgressCallback = ignore_progress,
+    log_line: LogCallback = log.info,
+) -> DraftCheckpoint:
+    """`train_draft` in `training.processes` processes: in this process for one, under torchrun for more."""
+    tc = config.training
+    processes = resolve_processes(tc.processes, tc.device, visible_gpus())
+    if processes == 1:
+        return train_draft(config, hidden_states, vocab_map, target, events, progress)
+    return launch_training(config, hidden_states, vocab_map, target, processes, events, progress, log_line)

@@ -1,0 +1,172 @@
+"""The launch of training under torchrun (`eagle3_core.training.launch`), piece by piece without starting it:
+the process count, the commands, what a rank sends back (progress, events), how a failed rank is told,
+and that the count is part of no cache key. `tests/integration/test_training_launch.py` launches it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3_core.config import ConfigError, PipelineConfig, load_config
+from eagle3_core.events import DECISION, RunEvents
+from eagle3_core.faults import InjectedFault
+from eagle3_core.progress import ProgressUpdate
+from eagle3_core.serving.engine import LogTail
+from eagle3_core.training import launch
+from eagle3_core.training.launch import (
+    AGENT_LOG,
+    LAUNCH_ENV,
+    PROGRESS_FILE,
+    RankFailed,
+    launch_failure,
+    launched_rank,
+    relay,
+    resolve_processes,
+    torchrun_command,
+    worker_command,
+)
+from eagle3_core.training.phase import phase_config
+from tasks.policy import is_deterministic
+from tasks.training import POLICY as TRAINING_POLICY
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "visible", "processes"),
+    [
+        ("auto", "auto", 0, 1),  # a CPU host
+        ("auto", "auto", 8, 8),  # every visible CUDA device
+        ("auto", "cuda", 2, 2),
+        ("auto", "cpu", 8, 1),  # training on the CPU of a GPU host
+        ("auto", "cuda:1", 8, 1),  # one named GPU
+        (2, "auto", 0, 2),  # gloo workers on a CPU
+        (2, "cpu", 8, 2),
+        (4, "auto", 8, 4),
+        (1, "auto", 8, 1),
+    ],
+)
+def test_the_process_count(setting, device: str, visible: int, processes: int) -> None:
+    assert resolve_processes(setting, device, visible) == processes
+
+
+def test_a_process_count_the_host_cannot_run_names_the_fields() -> None:
+    with pytest.raises(ConfigError, match=r"training\.processes=9: 8 CUDA device\(s\) visible"):
+        resolve_processes(9, "auto", 8)
+    with pytest.raises(ConfigError, match=r"training\.device=cuda:1"):
+        resolve_processes(2, "cuda:1", 8)
+
+
+def test_the_field_takes_auto_or_a_positive_count() -> None:
+    assert PipelineConfig().training.processes == "auto"
+    assert load_config(None, ["training.processes=2"]).training.processes == 2
+    for bad in ("0", "two"):
+        with pytest.raises(ConfigError, match=r"training\.processes"):
+            load_config(None, [f"training.processes={bad}"])
+
+
+def test_the_process_count_is_in_no_cache_key(tmp_path: Path) -> None:
+    one = PipelineConfig(run_dir=tmp_path)
+    many = one.model_copy(deep=True)
+    many.training.processes = 8
+    assert phase_config(one) == phase_config(many)  # the core's checkpoint and resume key
+    assert TRAINING_POLICY.key_content(one, {}) == TRAINING_POLICY.key_content(many, {})  # Prefect's
+
+
+def test_the_launch_is_torchrun_running_eagle3_train(tmp_path: Path) -> None:
+    worker = worker_command(Path("/venv/bin/eagle3"), tmp_path / "c.yaml", tmp_path / "hs", tmp_path / "vocab")
+    assert worker == [
+        "/venv/bin/eagle3", "train", "-c", str(tmp_path / "c.yaml"),
+        "--hidden-states", str(tmp_path / "hs"), "--vocab", str(tmp_path / "vocab"),
+    ]  # fmt: skip
+    command = torchrun_command(2, tmp_path / "logs", worker)
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert command[-len(worker) :] == worker
+    options = command[3 : -len(worker)]
+    assert "--standalone" in options
+    pairs = dict(zip(options[1::2], options[2::2], strict=True))
+    assert pairs == {
+        "--nnodes": "1",
+        "--nproc-per-node": "2",
+        "--max-restarts": "0",
+        "--log-dir": str(tmp_path / "logs"),
+        "--redirects": "3",
+        "--tee": "3",
+    }
+
+
+def test_a_rank_outside_a_launch_keeps_its_own_progress(monkeypatch) -> None:
+    monkeypatch.delenv(LAUNCH_ENV, raising=False)
+    assert launched_rank() is None
+
+
+def test_rank_0_sends_its_progress_and_the_others_none(tmp_path: Path, monkeypatch) -> None:
+    armed = []
+    monkeypatch.setattr(launch, "die_with_launcher", armed.append)  # not on the test process itself
+    monkeypatch.setenv(LAUNCH_ENV, str(tmp_path))
+    update = ProgressUpdate(phase="training", stage="steps", done=3, total=8, unit="steps", message="loss 4.2")
+    monkeypatch.setenv("RANK", "1")
+    with launched_rank() as progress:
+        progress(update)
+    assert not (tmp_path / PROGRESS_FILE).exists()
+    monkeypatch.setenv("RANK", "0")
+    with launched_rank() as progress:
+        progress(update)
+        progress(update.model_copy(update={"done": 4}))
+    assert len(armed) == 2, "every rank of a launch dies with its agent"
+
+    events = RunEvents(tmp_path)
+    events.record("training", DECISION, "resuming at step 2")
+    got, lines = [], []
+    relay(LogTail(tmp_path / PROGRESS_FILE), LogTail(events.path), got.append, lines.append)
+    assert got == [update, update.model_copy(update={"done": 4})]
+    assert lines == ["[training] resuming at step 2"]
+
+
+def error_record(log_dir: Path, rank: int, exception: BaseException, timestamp: int) -> None:
+    """The error.json torch's `record` writes for a rank, as torchrun lays it out."""
+    rank_dir = log_dir / "run-1_abc" / "attempt_0" / str(rank)
+    rank_dir.mkdir(parents=True)
+    name = type(exception).__name__
+    qualified = name if type(exception).__module__ == "builtins" else f"{type(exception).__module__}.{name}"
+    callstack = f'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n{qualified}: {exception}\n'
+    record = {"message": f"{name}: {exception}", "extraInfo": {"py_callstack": callstack, "timestamp": str(timestamp)}}
+    (rank_dir / "error.json").write_text(json.dumps({"message": record}))
+    (rank_dir / "stderr.log").write_text(f"rank {rank} starting\nrank {rank} last words\n")
+
+
+def test_the_first_failed_rank_fails_the_task_with_its_error_and_log(tmp_path: Path) -> None:
+    error_record(tmp_path, 1, InjectedFault("EAGLE3_FAULT: injected failure in training at start"), 100)
+    error_record(tmp_path, 0, RuntimeError("Connection closed by peer"), 101)
+    failure = launch_failure(1, tmp_path)
+    assert isinstance(failure, RankFailed)
+    message = str(failure)
+    assert message.startswith("training rank 1 failed: InjectedFault: EAGLE3_FAULT: injected failure")
+    assert "(then ranks [0] failed too)" in message
+    assert "eagle3_core.faults.InjectedFault" in message, "its traceback"
+    assert "rank 1 last words" in message, "its log's tail"
+    assert isinstance(failure.__cause__, InjectedFault)
+    assert is_deterministic(failure), "an injected fault in a rank is not retried"
+
+
+def test_a_rank_that_failed_transiently_is_retried(tmp_path: Path) -> None:
+    error_record(tmp_path, 0, RuntimeError("NCCL watchdog timeout"), 100)
+    failure = launch_failure(1, tmp_path)
+    assert type(failure.__cause__) is RuntimeError and not is_deterministic(failure)
+
+
+def test_a_rank_of_unknown_kind_is_told_without_a_cause(tmp_path: Path) -> None:
+    class Strange(Exception):
+        __module__ = "somewhere.else"
+
+    error_record(tmp_path, 0, Strange("odd"), 100)
+    failure = launch_failure(1, tmp_path)
+    assert failure.__cause__ is None and "Strange: odd" in str(failure)
+
+
+def test_a_rank_killed_without_an_error_record_is_told_by_the_agent_log(tmp_path: Path) -> None:
+    (tmp_path / AGENT_LOG).write_text("rank: 1 (local_rank: 1)\nexitcode: -9 (pid: 4242)\nSignal 9 (SIGKILL)\n")
+    message = str(launch_failure(1, tmp_path))
+    assert "torchrun ended with exit code 1; no rank left an error record" in message
+    assert "Signal 9 (SIGKILL)" in message
