@@ -5,9 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 DEMO_CONFIG ?= configs/demo.yaml
 
-# The suite runs on TEST_WORKERS pytest-xdist workers, a module (or a group of modules sharing a server) to
-# each: an engine start is three Python processes importing vLLM one after the other, so one core idles
-# while they do; a second worker fills it.
+# The suite runs on TEST_WORKERS pytest-xdist workers, a whole test module to each (--dist loadfile: its
+# module-scoped fixtures are built once): an engine start is three Python processes importing vLLM one after
+# the other, so one core idles while they do; a second worker fills it.
 TEST_WORKERS ?= 2
 
 .PHONY: install demo test test-unit lint format
@@ -41,11 +41,11 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 # The fast tier alone (tiny models, fake engines, no vLLM start): what a contributor runs while editing.
 test-unit: install
-	$(PY) -m pytest -q -ra -m "not slow" -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -ra -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 format: install
 	$(VENV)/bin/ruff check --fix .

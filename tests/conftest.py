@@ -56,13 +56,3 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     servers = ServedTargets(tmp_path_factory.mktemp("served"))
     yield servers
     servers.stop_all()
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) every module is one unit of work, so its
-    module-scoped fixtures are built once, on one worker; modules marked with a shared `xdist_group` (those
-    that use one of the session's shared servers) run on one worker too, so the server is started once."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import ServerConfig
 from eagle3_core.events import RunEvents
@@ -17,8 +15,6 @@ from eagle3_core.serving.engine import VllmServer
 # The flags of the shared SmolLM2 server: float32, so greedy answers are comparable across runs, and
 # timeouts that a loaded 2-core machine meets.
 FLOAT32 = {"dtype": "float32", "stall_timeout_s": 300, "startup_timeout_s": 600}
-# The modules that use it run on one xdist worker (tests/conftest.py), which starts it once.
-ON_THE_FLOAT32_SERVER = pytest.mark.xdist_group("smollm2-float32-server")
 
 
 class ServedTargets:

@@ -6,11 +6,12 @@ manifest. Standard library only: the device side imports this module with the de
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from eagle3_core.files import sha256_file
 
 PART_BYTES = 55 * 2**20
 MANIFEST = "manifest.json"
@@ -42,14 +43,6 @@ class Manifest:
         data = json.loads(text)
         data["parts"] = tuple(Part(**part) for part in data["parts"])
         return cls(**data)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        while block := stream.read(CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def part_ranges(size: int, part_bytes: int = PART_BYTES) -> list[tuple[int, int]]:

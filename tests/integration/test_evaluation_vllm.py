@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from served_targets import FLOAT32, ON_THE_FLOAT32_SERVER
+from served_targets import FLOAT32
 
 from eagle3_core.artifacts import DraftCheckpoint, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.evaluation.speculative import torch_threads
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, RunEvents
 
-pytestmark = [pytest.mark.slow, ON_THE_FLOAT32_SERVER]
+pytestmark = pytest.mark.slow
 
 # (a) runs at k=5 in fp32 and derives tau at k=3; (b) runs at k=3, here in fp32 too (server.dtype), so vLLM's
 # speculative output must equal its plain greedy output. Both count the same events, so they differ by the

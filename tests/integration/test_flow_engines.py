@@ -16,6 +16,8 @@ import psutil
 import pytest
 import yaml
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.objects import FlowRun
 from prefect.settings import PREFECT_API_URL
 
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
@@ -86,9 +88,16 @@ def test_terminating_a_run_during_sampling_leaves_no_engine(prefect_env: dict, t
     wait_for(lambda: flow_run_state(run_dir) in ("Crashed", "Cancelled"), 60, "the run to be marked crashed")
 
 
-def flow_run_state(run_dir: Path) -> str | None:
+def train_drafter_runs(run_dir: Path) -> list[FlowRun]:
+    """The `train-drafter` flow runs of `run_dir` on the session's Prefect API, which other modules' flows share."""
+    flows = FlowFilter(name=FlowFilterName(any_=["train-drafter"]))
     with get_client(sync_client=True) as client:
-        runs = [r for r in client.read_flow_runs() if r.parameters["config"]["run_dir"] == str(run_dir)]
+        runs = client.read_flow_runs(flow_filter=flows)
+    return [r for r in runs if r.parameters.get("config", {}).get("run_dir") == str(run_dir)]
+
+
+def flow_run_state(run_dir: Path) -> str | None:
+    runs = train_drafter_runs(run_dir)
     return runs[0].state.name if runs else None
 
 
@@ -124,14 +133,13 @@ def test_prefect_flow_run_retry_resumes_a_failed_run(prefect_env: dict, tmp_path
         [*EAGLE3, "run", "-c", str(config)], cwd=REPO, env={**prefect_env, ENV: "sampling:start"}, check=False
     )
     assert failed.returncode != 0
-    with get_client(sync_client=True) as client:
-        flow_run = next(r for r in client.read_flow_runs() if r.parameters["config"]["run_dir"] == str(run_dir))
+    [flow_run] = train_drafter_runs(run_dir)
     assert flow_run.state.name == "Failed"
     entrypoint = "flows/train_drafter.py:train_drafter"
     retry = [str(Path(sys.executable).parent / "prefect"), "flow-run", "retry", str(flow_run.id), "-e", entrypoint]
     subprocess.run(retry, cwd=REPO, env={**prefect_env, ENV: "extraction:start"}, check=False, timeout=900)
     with get_client(sync_client=True) as client:
-        task_runs = client.read_task_runs()
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
         retried = client.read_flow_run(flow_run.id)
     states = [(r.name.rsplit("-", 1)[0], r.state.name) for r in task_runs if r.flow_run_id == flow_run.id]
     assert ("prepare_target", "Cached") in states

@@ -13,7 +13,7 @@ import signal
 import httpx
 import psutil
 import pytest
-from served_targets import FLOAT32, ON_THE_FLOAT32_SERVER
+from served_targets import FLOAT32
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -23,7 +23,7 @@ from eagle3_core.sampling.phase import SamplingAborted, sample_prompts
 from eagle3_core.sampling.table import iter_rows
 from eagle3_core.serving.engine import PortInUseError, VllmServer
 
-pytestmark = [pytest.mark.slow, ON_THE_FLOAT32_SERVER]
+pytestmark = pytest.mark.slow
 
 SAMPLING = {"max_prompts": 32, "max_tokens": 32, "concurrency": 8, "rows_per_part": 4}
 
