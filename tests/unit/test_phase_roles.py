@@ -93,6 +93,8 @@ def candidates(annotation: Any) -> list[Any]:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
         return list(reversed(args))
+    if origin is typing.Annotated:  # PositiveInt and friends: the base type's values, the validator picks
+        return candidates(args[0])
     if origin is list:
         return [[item] for item in candidates(args[0])]
     if origin is dict:
