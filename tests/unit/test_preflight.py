@@ -13,7 +13,7 @@ from extraction_fixtures import build_sample_set
 from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import PREFLIGHT, WEIGHT_LOAD, RunEvents
-from eagle3_core.extraction import extract_hidden_states
+from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.files import DiskFullError
 from eagle3_core.preflight import (
     PreflightError,

@@ -14,9 +14,8 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.draft.export import load_exported
 from eagle3_core.draft.model import DraftKVCache
 from eagle3_core.events import CACHE_HIT, RunEvents
-from eagle3_core.extraction import extract_hidden_states
-from eagle3_core.training import train_draft
-from eagle3_core.training.phase import export_training_state
+from eagle3_core.extraction.phase import extract_hidden_states
+from eagle3_core.training.phase import export_training_state, train_draft
 from eagle3_core.vocab import StaleVocabMap, build_vocab_map
 
 
