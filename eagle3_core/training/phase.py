@@ -20,13 +20,13 @@ from eagle3_core.draft.shape import trained_draft_config
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.files import folder_identity, sha256_json, write_text_atomic
 from eagle3_core.phases import TRAINING, phase_key
-from eagle3_core.preflight import preflight_training
 from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.training.curves import TrainingCurves
 from eagle3_core.training.distributed import Group, barrier, init_group
 from eagle3_core.training.loop import PHASE, run_training, split_validation
 from eagle3_core.training.loss import TargetHead, TTTObjective
+from eagle3_core.training.preflight import preflight_training
 from eagle3_core.training.state import FULL
 from eagle3_core.vocab import load_vocab_tensors
 

@@ -13,8 +13,8 @@ import torch
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import PREFLIGHT, RunEvents
-from eagle3_core.preflight import preflight_training
 from eagle3_core.training.phase import build_draft, draft_config_of
+from eagle3_core.training.preflight import preflight_training
 
 LAYER_IDS = [2, 4, 5]
 

@@ -34,6 +34,7 @@ def test_the_contracts_hold() -> None:
         ("eagle3_core/draft/export.py", "from eagle3_core.training import unroll", "the draft knows nothing"),
         ("eagle3_core/draft/model.py", "from eagle3_core.draft import export", "the draft model knows nothing"),
         ("eagle3_core/serving/engine.py", "from eagle3_core.sampling import store", "serving (the engines)"),
+        ("eagle3_core/preflight.py", "from eagle3_core.draft import shape", "the shared preflight knows no phase"),
         ("eagle3_core/sampling/table.py", "from eagle3_core.sampling import phase", "no import loops"),
     ],
 )
