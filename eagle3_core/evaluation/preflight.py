@@ -15,8 +15,7 @@ from eagle3_core.serving.engine import attention_backend
 
 def uses_mla(target: TargetModel) -> bool:
     """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2.5): the text config has a `kv_lora_rank`."""
-    config = json.loads((target.root_path / "config.json").read_text())
-    return bool(config.get("text_config", config).get("kv_lora_rank"))
+    return bool(target.recorded_text.kv_lora_rank)
 
 
 def vllm_cpu_mla_problem(mla: bool, mla_draft: bool, on_gpu: bool, amx: bool) -> str | None:

@@ -4,7 +4,6 @@ parameters it counts are those of the draft training builds (`draft.shape`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from eagle3_core.artifacts import HiddenStateSet, TargetModel
@@ -28,8 +27,7 @@ def draft_parameters(
 ) -> tuple[int, int]:
     """(trainable, frozen) parameters of the draft training trains for this target (its architecture,
     recipe flags and `freeze_lm_head`: `draft.shape`). ValueError where the architecture does not fit."""
-    target_config = json.loads((target.root_path / "config.json").read_text())
-    shape = trained_draft_config(training, target_config, draft_vocab_size, layer_ids)
+    shape = trained_draft_config(training, target, draft_vocab_size, layer_ids)
     return parameter_counts(shape, training.freeze_lm_head)
 
 
