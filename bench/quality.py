@@ -109,10 +109,12 @@ def shared_inputs(args: argparse.Namespace):
     start = time.monotonic()
     if args.target:  # a converted target folder copied from elsewhere, its manifest with it (same digest)
         from eagle3_core.artifacts import TargetModel
+        from eagle3_core.target.prepare import with_text
 
         folder = Path(args.target).resolve()
         target = TargetModel.load(folder).model_copy(update={"root": str(folder)})
         target.validate()
+        target = with_text(target)
     else:
         target = prepare_target(cfg.target, events)
     walls["prepare_target_s"] = time.monotonic() - start

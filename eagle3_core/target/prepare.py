@@ -97,6 +97,12 @@ def describe_folder(model_dir: Path, name: str, source: str) -> TargetModel:
     )
 
 
+def with_text(target: TargetModel) -> TargetModel:
+    """`target`, or its folder described again where its manifest was written before it recorded the text
+    config (same digest; no conversion). Not saved: older code sharing a cache reads the file as it is."""
+    return target if target.text is not None else describe_folder(target.root_path, target.name, target.source)
+
+
 @contextmanager
 def conversion_lock(out_dir: Path) -> Iterator[None]:
     """Hold `<out_dir>.lock` exclusively: two runs started at once on a fresh machine convert the GGUF once,
@@ -140,9 +146,7 @@ def converted_target(config: TargetConfig, gguf: Path, sha: str, out_dir: Path, 
             events.record(PHASE, DECISION, f"converted folder invalid, converting again: {exc}")
         else:
             events.record(PHASE, CACHE_HIT, f"{config.model} already converted at {out_dir}", path=str(out_dir))
-            # A manifest written before it recorded the text config is described again (same digest), not
-            # converted again, and not saved: older code sharing the cache reads the file as it is.
-            return target if target.text is not None else describe_folder(out_dir, config.model, target.source)
+            return with_text(target)
     shutil.rmtree(out_dir, ignore_errors=True)
     with events.weight_load(PHASE, f"{gguf.name} (GGUF conversion)"):
         convert_gguf(gguf, out_dir, config.dtype)
