@@ -99,7 +99,7 @@ def shared_inputs(args: argparse.Namespace):
     from eagle3_core.artifacts import SampleSet
     from eagle3_core.config import load_config
     from eagle3_core.events import RunEvents
-    from eagle3_core.extraction import extract_hidden_states
+    from eagle3_core.extraction.phase import extract_hidden_states
     from eagle3_core.target.prepare import prepare_target
     from eagle3_core.vocab import build_vocab_map
 
@@ -109,10 +109,12 @@ def shared_inputs(args: argparse.Namespace):
     start = time.monotonic()
     if args.target:  # a converted target folder copied from elsewhere, its manifest with it (same digest)
         from eagle3_core.artifacts import TargetModel
+        from eagle3_core.target.prepare import with_text
 
         folder = Path(args.target).resolve()
         target = TargetModel.load(folder).model_copy(update={"root": str(folder)})
         target.validate()
+        target = with_text(target)
     else:
         target = prepare_target(cfg.target, events)
     walls["prepare_target_s"] = time.monotonic() - start
@@ -137,7 +139,7 @@ def run_variant(args: argparse.Namespace, name: str, overrides: dict) -> dict:
     """Train (and unless --no-eval, evaluate) one variant in <run_dir>/variants/<name>; returns its row."""
     from eagle3_core.config import load_config
     from eagle3_core.events import RunEvents
-    from eagle3_core.training import train_draft
+    from eagle3_core.training.phase import train_draft
 
     row: dict = {"variant": name, "overrides": overrides}
     try:
@@ -153,7 +155,7 @@ def run_variant(args: argparse.Namespace, name: str, overrides: dict) -> dict:
         row["export"] = str(checkpoint.path_of("export"))
         row["freeze_lm_head"] = vcfg.training.freeze_lm_head
         if not args.no_eval:
-            from eagle3_core.evaluation import evaluate_draft
+            from eagle3_core.evaluation.phase import evaluate_draft
 
             start = time.monotonic()
             report = evaluate_draft(vcfg, checkpoint, target, sample_set, events)

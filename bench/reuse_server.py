@@ -28,7 +28,7 @@ from sampling_speed import append_result, machine_info
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, WEIGHT_LOAD, RunEvents
-from eagle3_core.extraction import extract_hidden_states
+from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.extraction.vllm_backend import shared_server
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.phase import sample_prompts

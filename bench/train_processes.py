@@ -24,7 +24,7 @@ from pathlib import Path
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
-from eagle3_core.extraction import extract_hidden_states
+from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.target.prepare import prepare_target
 from eagle3_core.training.curves import RECORD_FILE, TRAIN, read_record

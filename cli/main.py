@@ -192,7 +192,7 @@ def extract_command(
     """Extract hidden states of the sampled conversations (resumes per shard), with weight-load, sample,
     tokens/s and shard progress; prints the HiddenStateSet manifest."""
     from eagle3_core.artifacts import SampleSet
-    from eagle3_core.extraction import extract_hidden_states
+    from eagle3_core.extraction.phase import extract_hidden_states
     from eagle3_core.progress import rich_progress
     from eagle3_core.target.prepare import prepare_target
 
@@ -216,8 +216,7 @@ def evaluate_command(
     """Measure the draft's acceptance on held-out prompts, in transformers and in vLLM; writes
     <run_dir>/eval/ (report.md, acceptance.png, eval_report.json). Exits 1 if the acceptance guard fails."""
     from eagle3_core.artifacts import SampleSet
-    from eagle3_core.evaluation import evaluate_draft
-    from eagle3_core.evaluation.phase import checkpoint_of
+    from eagle3_core.evaluation.phase import checkpoint_of, evaluate_draft
     from eagle3_core.evaluation.report import AcceptanceBelowFloor
     from eagle3_core.progress import rich_progress
     from eagle3_core.target.prepare import prepare_target
@@ -312,8 +311,8 @@ def train_command(
     from eagle3_core.artifacts import HiddenStateSet, VocabMap
     from eagle3_core.progress import rich_progress
     from eagle3_core.target.prepare import prepare_target
-    from eagle3_core.training import train_draft
     from eagle3_core.training.launch import launched_rank
+    from eagle3_core.training.phase import train_draft
 
     cfg = resolve_config(config, set_)
     events = run_events(cfg)

@@ -64,6 +64,7 @@ class Manifest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     kind: ClassVar[str] = "manifest"
+    not_digested: ClassVar[frozenset[str]] = frozenset({"root", "digest"})  # fields the digest leaves out
     format_version: int = Field(1, description="Bumped when the phase's on-disk format changes.")
     root: str = Field(description="Folder holding the files.")
     files: list[FileRecord] = Field(default_factory=list, description="Every file the phase wrote.")
@@ -81,7 +82,7 @@ class Manifest(BaseModel):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def digest(self) -> str:
-        content = self.model_dump(mode="json", exclude={"root", "digest"})
+        content = self.model_dump(mode="json", exclude=set(self.not_digested))
         content["files"] = sorted((f["path"], f["sha256"]) for f in content["files"])
         return sha256_json({"kind": self.kind, **content})
 
@@ -155,8 +156,39 @@ class Manifest(BaseModel):
         return manifest
 
 
+class TargetText(BaseModel):
+    """The fields of the target's text config (`text_config`, or config.json itself) that the draft's shape,
+    the loss and the preflights read, named as config.json names them; None where config.json has none."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float | None = None
+    rope_theta: int | float | None = None  # as written (an int stays an int in the exported config)
+    rope_parameters: dict[str, Any] | None = None
+    max_position_embeddings: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2.5) ranks and head dims; kv_lora_rank marks MLA.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+
+    @classmethod
+    def of(cls, text: dict[str, Any]) -> TargetText:
+        """The recorded fields of a text config (config.json's `text_config`, or config.json itself)."""
+        return cls.model_validate({name: text.get(name) for name in cls.model_fields})
+
+
 class TargetModel(Manifest):
     kind: ClassVar[str] = "target_model"
+    # `text` is read from config.json, which `config_digest` covers: digests stay those of manifests without it.
+    not_digested: ClassVar[frozenset[str]] = Manifest.not_digested | {"text"}
     name: str = Field(description="Embedded target name or the folder's name.")
     source: str = Field(description="Where it came from: `gguf:<sha256>` or `local`.")
     architecture: str = Field(description="First entry of config.json `architectures`.")
@@ -171,6 +203,28 @@ class TargetModel(Manifest):
     weights: dict[str, int] = Field(
         default_factory=dict, description="Weight file -> size; sizes only, weights are never re-hashed."
     )
+    text: TargetText | None = Field(
+        None,
+        description="The text config's fields later phases read, recorded once when the manifest is made (so "
+        "config.json is read once); None in a manifest written before they were recorded.",
+    )
+
+    @property
+    def recorded_text(self) -> TargetText:
+        """`text`; ArtifactInvalid for a manifest written before it was recorded."""
+        if self.text is None:
+            raise ArtifactInvalid(
+                f"{self.kind} at {self.root} was written before the manifest recorded the target's text config: "
+                "prepare the target again (`eagle3 prepare-target`)"
+            )
+        return self.text
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        """The recorded text config as config.json names its fields (what `DraftConfig.from_target_config`
+        reads), fields config.json lacks left out."""
+        shape = {"model_type": self.model_type, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
+        return {**shape, **self.recorded_text.model_dump(exclude_none=True)}
 
     def validate(self, deep: bool = False) -> None:  # type: ignore[override]
         super().validate(deep)

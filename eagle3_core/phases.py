@@ -43,7 +43,8 @@ class PhaseSpec:
         return any(path == prefix or path.startswith(prefix + ".") for prefix in (*EVERY_PHASE_READS, *self.reads))
 
 
-PREPARE_TARGET = PhaseSpec("prepare_target", 1, ("target",))
+# prepare_target 2: the TargetModel records the text config (`text`), so a stored result without it is not reused.
+PREPARE_TARGET = PhaseSpec("prepare_target", 2, ("target",))
 SAMPLING = PhaseSpec("sampling", 1, ("server", "sampling"))
 EXTRACTION = PhaseSpec(
     "extraction", 1, ("server", "extraction", "sampling.holdout_fraction", "sampling.request_timeout_s")

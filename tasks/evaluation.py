@@ -21,7 +21,7 @@ def evaluate_draft_task(
     config: PipelineConfig, checkpoint: DraftCheckpoint, target: TargetModel, sample_set: SampleSet
 ) -> EvalReport:
     """Measure acceptance on held-out prompts with the real target (and vLLM where available)."""
-    from eagle3_core.evaluation import evaluate_draft
+    from eagle3_core.evaluation.phase import evaluate_draft
 
     return run_gpu_phase(
         PHASE, config, lambda events, progress: evaluate_draft(config, checkpoint, target, sample_set, events, progress)

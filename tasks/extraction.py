@@ -23,7 +23,7 @@ def extract_hidden_states_task(
 ) -> HiddenStateSet:
     """Extract the states of every sample not extracted yet (resumes per shard), on its own engine or on
     `shared` (the SharedServer sampling used; part of no cache key)."""
-    from eagle3_core.extraction import extract_hidden_states
+    from eagle3_core.extraction.phase import extract_hidden_states
 
     return run_gpu_phase(
         PHASE,

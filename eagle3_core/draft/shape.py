@@ -5,17 +5,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import TrainingConfig
 from eagle3_core.draft.export import RECIPE_FLAGS
 from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 
 
 def trained_draft_config(
-    training: TrainingConfig, target_config: dict, draft_vocab_size: int, layer_ids: list[int]
+    training: TrainingConfig, target: TargetModel, draft_vocab_size: int, layer_ids: list[int]
 ) -> DraftConfig:
-    """The draft's shape from the target's config.json, with the architecture and recipe flags of
-    `training`. ValueError where the architecture does not fit the target (an MLA draft, no MLA target)."""
-    shape = DraftConfig.from_target_config(target_config, draft_vocab_size, layer_ids, training.draft_architecture)
+    """The draft's shape from the target's text config (as its manifest recorded it), with the architecture
+    and recipe flags of `training`. ValueError where the architecture does not fit the target (an MLA
+    draft, no MLA target)."""
+    text = target.text_config
+    shape = DraftConfig.from_target_config(text, draft_vocab_size, layer_ids, training.draft_architecture)
     return replace(shape, **{flag: getattr(training, flag) for flag in RECIPE_FLAGS})
 
 

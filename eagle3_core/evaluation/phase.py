@@ -16,6 +16,7 @@ from typing import Any
 from eagle3_core.artifacts import DraftCheckpoint, EvalReport, SampleSet, TargetModel, record_files
 from eagle3_core.config import VERDICT, VLLM, PipelineConfig
 from eagle3_core.dtypes import resolved_config
+from eagle3_core.evaluation.preflight import preflight_evaluation
 from eagle3_core.evaluation.prompts import (
     EvalPrompt,
     check_no_overlap,
@@ -28,7 +29,6 @@ from eagle3_core.evaluation.stats import AcceptanceStats
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
 from eagle3_core.files import sha256_json, write_text_atomic
 from eagle3_core.phases import EVALUATION, keyed_fields, phase_key
-from eagle3_core.preflight import preflight_evaluation
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
 from eagle3_core.run_layout import DraftLayout, RunLayout
 

@@ -1,19 +1,5 @@
-"""Phase 3, hidden-state extraction (`extract_hidden_states`, in `phase.py`).
+"""Phase 3, hidden-state extraction (`extract_hidden_states`, in `phase`): the backends (`hf_backend`,
+`vllm_backend` and its `connector`), the shards (`storage`, `layout`) and their reader (`reader`).
 
-The phase function is resolved lazily (PEP 562) so that the pure-torch modules of this package (storage,
-hf_backend) import where pydantic is absent, as on the GPU benchmark host.
-"""
-
-from __future__ import annotations
-
-from typing import Any
-
-__all__ = ["extract_hidden_states"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "extract_hidden_states":
-        from eagle3_core.extraction.phase import extract_hidden_states
-
-        return extract_hidden_states
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+Like every phase package, this one imports nothing: callers import the entry point from `phase`, so the
+pure-torch modules (storage, hf_backend) import where pydantic is absent, as on the GPU benchmark host."""

@@ -21,6 +21,7 @@ from eagle3_core.config import ExtractionConfig, PipelineConfig
 from eagle3_core.dtypes import resolve_dtype
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
 from eagle3_core.extraction.layout import resolve_layer_ids
+from eagle3_core.extraction.preflight import preflight_extraction
 from eagle3_core.extraction.reader import INDEX_FILE
 from eagle3_core.extraction.storage import (
     LAST_STATE_NORMED,
@@ -34,7 +35,6 @@ from eagle3_core.extraction.storage import (
 )
 from eagle3_core.files import sha256_json, write_text_atomic
 from eagle3_core.phases import EXTRACTION, phase_key
-from eagle3_core.preflight import preflight_extraction
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.table import is_heldout, iter_rows

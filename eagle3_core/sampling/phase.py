@@ -24,9 +24,9 @@ from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig, SamplingConfig
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.phases import SAMPLING
-from eagle3_core.preflight import preflight_sampling
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.sampling.chat_tokens import ChatTokenizer, split_reasoning
+from eagle3_core.sampling.preflight import preflight_sampling
 from eagle3_core.sampling.prompts import Prompt, load_prompts
 from eagle3_core.sampling.store import PartWriter, SampleStore
 from eagle3_core.serving.engine import (

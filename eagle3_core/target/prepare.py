@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from eagle3_core.artifacts import ArtifactInvalid, TargetModel, record_files
+from eagle3_core.artifacts import ArtifactInvalid, TargetModel, TargetText, record_files
 from eagle3_core.config import TargetConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.files import sha256_file, sha256_json
@@ -64,7 +64,8 @@ def tokenizer_digest(sha_by_file: dict[str, str]) -> str:
 
 
 def describe_folder(model_dir: Path, name: str, source: str) -> TargetModel:
-    """Build the manifest of a Hugging Face folder: hashes config and tokenizer, records weight sizes."""
+    """Build the manifest of a Hugging Face folder: hashes config and tokenizer, records weight sizes and the
+    text config's fields later phases read (the one read of config.json)."""
     config = json.loads((model_dir / "config.json").read_text())
     text = config.get("text_config", config)
     hashed = [model_dir / "config.json"] + [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).exists()]
@@ -92,7 +93,14 @@ def describe_folder(model_dir: Path, name: str, source: str) -> TargetModel:
         tokenizer_digest=tokenizer_digest({f.path: f.sha256 for f in files[1:]}),
         chat_template=template,
         weights={p.name: p.stat().st_size for p in sorted(model_dir.glob("*.safetensors"))},
+        text=TargetText.of(text),
     )
+
+
+def with_text(target: TargetModel) -> TargetModel:
+    """`target`, or its folder described again where its manifest was written before it recorded the text
+    config (same digest; no conversion). Not saved: older code sharing a cache reads the file as it is."""
+    return target if target.text is not None else describe_folder(target.root_path, target.name, target.source)
 
 
 @contextmanager
@@ -134,10 +142,11 @@ def converted_target(config: TargetConfig, gguf: Path, sha: str, out_dir: Path, 
         try:
             target = TargetModel.load(manifest)
             target.validate()
-            events.record(PHASE, CACHE_HIT, f"{config.model} already converted at {out_dir}", path=str(out_dir))
-            return target
         except (ArtifactInvalid, ValueError) as exc:
             events.record(PHASE, DECISION, f"converted folder invalid, converting again: {exc}")
+        else:
+            events.record(PHASE, CACHE_HIT, f"{config.model} already converted at {out_dir}", path=str(out_dir))
+            return with_text(target)
     shutil.rmtree(out_dir, ignore_errors=True)
     with events.weight_load(PHASE, f"{gguf.name} (GGUF conversion)"):
         convert_gguf(gguf, out_dir, config.dtype)

@@ -20,13 +20,13 @@ from eagle3_core.draft.shape import trained_draft_config
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.files import folder_identity, sha256_json, write_text_atomic
 from eagle3_core.phases import TRAINING, phase_key
-from eagle3_core.preflight import preflight_training
 from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.training.curves import TrainingCurves
 from eagle3_core.training.distributed import Group, barrier, init_group
 from eagle3_core.training.loop import PHASE, run_training, split_validation
 from eagle3_core.training.loss import TargetHead, TTTObjective
+from eagle3_core.training.preflight import preflight_training
 from eagle3_core.training.state import FULL
 from eagle3_core.vocab import load_vocab_tensors
 
@@ -45,8 +45,9 @@ def upstream_of(hidden_states: HiddenStateSet, vocab_map: VocabMap, target: Targ
 
 
 def target_rms_eps(target: TargetModel) -> float:
-    data = json.loads((target.root_path / "config.json").read_text())
-    return data.get("text_config", data).get("rms_norm_eps", 1e-6)
+    """The target's final-norm epsilon (1e-6 where its config names none)."""
+    eps = target.recorded_text.rms_norm_eps
+    return 1e-6 if eps is None else eps
 
 
 def cached_checkpoint(out_dir: Path, cfg: dict, upstream: dict) -> DraftCheckpoint | None:
@@ -103,9 +104,8 @@ def warm_start(draft: Eagle3Draft, previous: Eagle3Draft, source: str) -> None:
 def draft_config_of(
     config: PipelineConfig, target: TargetModel, vocab_map: VocabMap, layer_ids: list[int]
 ) -> DraftConfig:
-    """The draft's shape (`draft.shape`, the one its preflight counts) from the target's config.json."""
-    target_config = json.loads((target.root_path / "config.json").read_text())
-    return trained_draft_config(config.training, target_config, vocab_map.draft_vocab_size, layer_ids)
+    """The draft's shape (`draft.shape`, the one its preflight counts) from the target's manifest."""
+    return trained_draft_config(config.training, target, vocab_map.draft_vocab_size, layer_ids)
 
 
 def build_draft(config: PipelineConfig, target: TargetModel, draft_config: DraftConfig, d2t, t2d) -> Eagle3Draft:

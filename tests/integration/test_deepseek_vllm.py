@@ -23,11 +23,10 @@ from extraction_fixtures import layer_cosines
 
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
-from eagle3_core.evaluation import evaluate_draft
-from eagle3_core.evaluation.phase import export_dir
+from eagle3_core.evaluation.phase import evaluate_draft, export_dir
 from eagle3_core.evaluation.vllm_measure import speculative_args
 from eagle3_core.events import ENGINE_START, PREFLIGHT, WEIGHT_LOAD, RunEvents
-from eagle3_core.extraction import extract_hidden_states
+from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.extraction.vllm_backend import shared_server
 from eagle3_core.preflight import PreflightError
 from eagle3_core.sampling.phase import sample_prompts
@@ -109,7 +108,7 @@ def test_an_off_by_one_in_the_layer_ids_fails_the_comparison(served, tiny_deepse
 
 @pytest.fixture(scope="module")
 def trained(served, tiny_deepseek: TargetModel):
-    from eagle3_core.training import train_draft
+    from eagle3_core.training.phase import train_draft
     from eagle3_core.vocab import build_vocab_map
 
     config, events, samples, states = served
@@ -169,7 +168,7 @@ def test_speculative_decoding_with_the_draft_equals_greedy_in_transformers(serve
 @pytest.fixture(scope="module")
 def trained_mla(served, tiny_deepseek: TargetModel, tmp_path_factory: pytest.TempPathFactory):
     """The same states trained into the MLA draft (`deepseek_mla`), in a run folder of its own."""
-    from eagle3_core.training import train_draft
+    from eagle3_core.training.phase import train_draft
     from eagle3_core.vocab import build_vocab_map
 
     _, _, samples, states = served
@@ -197,7 +196,7 @@ def test_vllm_serves_the_mla_draft_beside_the_mla_target_and_agrees_with_transfo
     transformers chain decoding (a) of the same draft: the MLA math we train is the one vLLM serves. Both
     run at k=3 in float32, so they draft at the same positions of the same greedy outputs and count the
     same events (a k=5 sweep would draft elsewhere: on ~50 drafts that alone moved tau by 0.14)."""
-    from eagle3_core.evaluation import evaluate_draft
+    from eagle3_core.evaluation.phase import evaluate_draft
 
     _, _, samples, _ = served
     _, checkpoint = trained_mla

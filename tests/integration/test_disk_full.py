@@ -23,7 +23,7 @@ from served_targets import FLOAT32
 from eagle3_core.artifacts import HiddenStateSet
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import PREFLIGHT, RESUME, WEIGHT_LOAD, RunEvents
-from eagle3_core.extraction import extract_hidden_states
+from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.files import DiskFullError, free_bytes
 from eagle3_core.preflight import PreflightError
 from eagle3_core.progress import ProgressUpdate

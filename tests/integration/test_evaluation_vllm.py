@@ -48,9 +48,9 @@ def pipeline_config(run_dir: Path, **evaluation) -> PipelineConfig:
 @pytest.fixture(scope="module")
 def trained(smollm2_target: TargetModel, served, tmp_path_factory: pytest.TempPathFactory):
     """SampleSet and DraftCheckpoint of a small run of the real pipeline, sampled on the shared server."""
-    from eagle3_core.extraction import extract_hidden_states
+    from eagle3_core.extraction.phase import extract_hidden_states
     from eagle3_core.sampling.phase import sample_prompts
-    from eagle3_core.training import train_draft
+    from eagle3_core.training.phase import train_draft
     from eagle3_core.vocab import build_vocab_map
 
     run_dir = tmp_path_factory.mktemp("trained")
@@ -101,7 +101,7 @@ def test_speculative_output_equals_greedy_on_smollm2(smollm2_target: TargetModel
 @pytest.fixture(scope="module")
 def evaluated(smollm2_target: TargetModel, trained, tmp_path_factory: pytest.TempPathFactory):
     """The evaluation phase, both measurements, floor 0; returns the report and the run's events."""
-    from eagle3_core.evaluation import evaluate_draft
+    from eagle3_core.evaluation.phase import evaluate_draft
 
     sample_set, checkpoint = trained
     run_dir = tmp_path_factory.mktemp("evaluated")
@@ -131,8 +131,7 @@ def test_vllm_acceptance_agrees_with_transformers(evaluated) -> None:
 def test_draft_exported_with_wrong_layer_ids_trips_the_guard(
     smollm2_target: TargetModel, trained, evaluated, tmp_path: Path
 ) -> None:
-    from eagle3_core.evaluation import evaluate_draft
-    from eagle3_core.evaluation.phase import export_dir
+    from eagle3_core.evaluation.phase import evaluate_draft, export_dir
     from eagle3_core.evaluation.report import AcceptanceBelowFloor
 
     sample_set, checkpoint = trained

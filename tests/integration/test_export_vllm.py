@@ -16,10 +16,10 @@ import torch
 from eagle3_core.artifacts import SampleSet, record_files
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
-from eagle3_core.extraction import extract_hidden_states
+from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.sampling.table import write_part
 from eagle3_core.serving.engine import VllmServer
-from eagle3_core.training import train_draft
+from eagle3_core.training.phase import train_draft
 from eagle3_core.vocab import build_vocab_map
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]

@@ -8,7 +8,7 @@ from extraction_fixtures import build_sample_set, layer_cosines
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import ENGINE_START, WEIGHT_LOAD, RunEvents
-from eagle3_core.extraction import extract_hidden_states
+from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.extraction.reader import HiddenStateDataset
 
 pytestmark = pytest.mark.slow

@@ -32,7 +32,7 @@ from training_flow import train_only
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RESUME, RunEvents
-from eagle3_core.extraction import extract_hidden_states
+from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.run_layout import EXPORT, RunLayout
 from eagle3_core.target.prepare import prepare_target
 from eagle3_core.training.launch import LOGS_DIR, RankFailed, train_draft_on_host

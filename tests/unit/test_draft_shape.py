@@ -1,20 +1,22 @@
 """The parameter count the training preflight prints is that of the draft training builds: the same shape
 function (`draft.shape`) with the recipe flags and `freeze_lm_head` (issue 25: the preflight built its own
-draft without them)."""
+draft without them), from the text config the target's manifest recorded (config.json is read once)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from eagle3_core.artifacts import TargetModel
+from eagle3_core.artifacts import ArtifactInvalid, TargetModel
 from eagle3_core.config import PipelineConfig
+from eagle3_core.draft.model import DraftConfig
 from eagle3_core.events import PREFLIGHT, RunEvents
-from eagle3_core.preflight import preflight_training
 from eagle3_core.training.phase import build_draft, draft_config_of
+from eagle3_core.training.preflight import preflight_training
 
 LAYER_IDS = [2, 4, 5]
 
@@ -36,3 +38,27 @@ def test_training_preflight_counts_the_trained_drafts_parameters(tmp_path: Path,
     preflight_training(config, SimpleNamespace(layer_ids=LAYER_IDS), tiny_llama, draft_vocab, tmp_path, events)
     [line] = [e for e in events.read() if e["event"] == PREFLIGHT]
     assert line["draft_parameters"] == trained
+
+
+@pytest.mark.parametrize(
+    ("fixture", "architecture"),
+    [("tiny_llama", "llama"), ("tiny_deepseek", "llama"), ("tiny_deepseek", "deepseek_mla")],
+)
+def test_the_manifest_records_the_config_the_draft_shape_reads(request, fixture: str, architecture: str) -> None:
+    """config.json is read once, when the manifest is made: the shape from the manifest's text config (MLA
+    ranks, rms_norm_eps, rope) is the one config.json itself gives."""
+    target: TargetModel = request.getfixturevalue(fixture)
+    on_disk = json.loads((target.root_path / "config.json").read_text())
+    recorded = DraftConfig.from_target_config(target.text_config, 64, LAYER_IDS, architecture)
+    assert recorded == DraftConfig.from_target_config(on_disk, 64, LAYER_IDS, architecture)
+    assert target.recorded_text.rms_norm_eps == on_disk.get("text_config", on_disk)["rms_norm_eps"]
+
+
+def test_a_manifest_written_before_the_text_config_loads_with_its_digest(tiny_llama: TargetModel) -> None:
+    """An older manifest (no `text`) still loads, with the digest its run folders recorded; what would read
+    the text config names the way out."""
+    older = json.loads(tiny_llama.model_dump_json(exclude={"text", "digest"}))
+    loaded = TargetModel.from_json(json.dumps(older))
+    assert loaded.text is None and loaded.digest == tiny_llama.digest
+    with pytest.raises(ArtifactInvalid, match="prepare the target again"):
+        draft_config_of(PipelineConfig(), loaded, SimpleNamespace(draft_vocab_size=64), LAYER_IDS)

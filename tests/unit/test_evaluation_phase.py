@@ -9,7 +9,7 @@ import pytest
 
 from eagle3_core.artifacts import EvalReport, TargetModel
 from eagle3_core.config import PipelineConfig
-from eagle3_core.evaluation import evaluate_draft
+from eagle3_core.evaluation.phase import evaluate_draft
 from eagle3_core.evaluation.report import AcceptanceBelowFloor
 from eagle3_core.events import CACHE_HIT, RESUME, WEIGHT_LOAD, RunEvents
 from tests.evaluation_fixtures import exported_checkpoint, random_draft, varied_tiny_target

@@ -16,21 +16,16 @@ from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import load_config
 from eagle3_core.draft.export import ARCHITECTURE, expected_shapes, hf_config
 from eagle3_core.draft.model import DraftConfig
+from eagle3_core.evaluation.preflight import amx_mla_kernel, preflight_evaluation, uses_mla, vllm_cpu_mla_problem
 from eagle3_core.evaluation.vllm_measure import speculative_args
 from eagle3_core.events import PREFLIGHT, RunEvents
 from eagle3_core.extraction.layout import resolve_layer_ids
+from eagle3_core.extraction.preflight import preflight_extraction
 from eagle3_core.extraction.storage import SampleStates, bytes_per_token, write_shard
 from eagle3_core.extraction.vllm_backend import extraction_args
-from eagle3_core.preflight import (
-    PreflightError,
-    amx_mla_kernel,
-    preflight_evaluation,
-    preflight_extraction,
-    preflight_training,
-    uses_mla,
-    vllm_cpu_mla_problem,
-)
+from eagle3_core.preflight import PreflightError
 from eagle3_core.target.prepare import describe_folder
+from eagle3_core.training.preflight import preflight_training
 
 CONFIG_FILE = Path(__file__).parents[2] / "configs" / "kimi-k2.5-tp8.yaml"
 LAYERS, HIDDEN, VOCAB, HEADS, INTERMEDIATE = 61, 7168, 163840, 64, 18432

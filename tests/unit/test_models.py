@@ -1,11 +1,15 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from eagle3_core.artifacts import TargetModel
+from eagle3_core.config import TargetConfig
 from eagle3_core.events import WEIGHT_LOAD, RunEvents
 from eagle3_core.target.models import check_layer_ids, default_aux_layer_ids, load_target_tensors
+from eagle3_core.target.prepare import converted_target
 
 
 @pytest.mark.parametrize(("layers", "ids"), [(30, [2, 15, 27]), (61, [2, 30, 58]), (32, [2, 16, 29])])
@@ -71,3 +75,23 @@ def test_events_count_weight_loads(tmp_path):
     assert events.count(WEIGHT_LOAD) == 1
     assert events.count(WEIGHT_LOAD, phase="sampling") == 0
     assert [e["event"] for e in events.read()] == ["weight_load", "resume"]
+
+
+def test_a_converted_target_whose_manifest_predates_the_text_config_is_described_not_converted(
+    tmp_path, smollm2_target
+):
+    """A cached conversion whose manifest has no `text` (written before it was recorded) is described again
+    with the same digest, without a new conversion, and its manifest file is left as older code wrote it."""
+    out_dir = tmp_path / "converted"
+    out_dir.mkdir()
+    for file in smollm2_target.root_path.iterdir():
+        (out_dir / file.name).symlink_to(file)  # the weights are only stat'ed
+    older = json.loads(smollm2_target.model_dump_json(exclude={"text", "digest"}))
+    manifest = out_dir / f"{TargetModel.kind}.json"
+    manifest.unlink()
+    manifest.write_text(json.dumps({**older, "root": str(out_dir)}))
+    events = RunEvents(tmp_path)
+    source = smollm2_target.source.removeprefix("gguf:")
+    target = converted_target(TargetConfig(), Path("unused.gguf"), source, out_dir, events)
+    assert target.text == smollm2_target.text and target.digest == smollm2_target.digest
+    assert events.count(WEIGHT_LOAD) == 0 and "text" not in json.loads(manifest.read_text())

@@ -13,23 +13,20 @@ from extraction_fixtures import build_sample_set
 from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import PREFLIGHT, WEIGHT_LOAD, RunEvents
-from eagle3_core.extraction import extract_hidden_states
+from eagle3_core.extraction.phase import extract_hidden_states
+from eagle3_core.extraction.preflight import preflight_extraction, sample_set_target_problems
 from eagle3_core.files import DiskFullError
 from eagle3_core.preflight import (
     PreflightError,
-    checkpoint_bytes,
     disk_problem,
     gpu_problem,
-    layer_problem,
     port_problem,
-    preflight_extraction,
-    preflight_training,
-    sample_set_target_problems,
     server_gpus,
     server_gpus_source,
-    target_files_problems,
 )
+from eagle3_core.target.preflight import layer_problem, target_files_problems
 from eagle3_core.target.prepare import describe_folder
+from eagle3_core.training.preflight import checkpoint_bytes, preflight_training
 
 
 @pytest.fixture

@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 from eagle3_core.config import PipelineConfig
 from eagle3_core.draft.export import load_exported
 from eagle3_core.draft.model import DraftKVCache
-from eagle3_core.events import CACHE_HIT, RunEvents
-from eagle3_core.extraction import extract_hidden_states
-from eagle3_core.training import train_draft
-from eagle3_core.training.phase import export_training_state
+from eagle3_core.events import CACHE_HIT, PREFLIGHT, RunEvents
+from eagle3_core.extraction.phase import extract_hidden_states
+from eagle3_core.training import phase
+from eagle3_core.training.phase import build_draft, export_training_state, train_draft
 from eagle3_core.vocab import StaleVocabMap, build_vocab_map
 
 
@@ -75,3 +75,25 @@ def test_a_vocab_map_from_other_samples_is_refused(tmp_path, tiny_llama, sample_
     stale = build_vocab_map(other_config, other_samples, tiny_llama, events)
     with pytest.raises(StaleVocabMap):
         train_draft(config, hidden, stale, tiny_llama, events)
+
+
+def test_the_preflight_counts_the_parameters_train_draft_trains(tmp_path, tiny_llama, sample_set, monkeypatch) -> None:
+    """With recipe flags and `freeze_lm_head` set, training's preflight line counts the trainable
+    parameters of the very draft `train_draft` builds and trains (issue 25)."""
+    config = make_config(tmp_path)
+    training = config.training
+    training.max_steps, training.freeze_lm_head, training.fc_norm, training.norm_before_fc = 2, True, False, True
+    built = []
+
+    def spied_build_draft(*args):
+        built.append(build_draft(*args))
+        return built[-1]
+
+    monkeypatch.setattr(phase, "build_draft", spied_build_draft)
+    events = RunEvents(tmp_path)
+    hidden = extract_hidden_states(config, sample_set, tiny_llama, events)
+    train_draft(config, hidden, build_vocab_map(config, sample_set, tiny_llama, events), tiny_llama, events)
+    [draft] = built
+    [line] = [e for e in events.read() if e["event"] == PREFLIGHT and e["phase"] == "training"]
+    assert line["draft_parameters"] == sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    assert not draft.lm_head.weight.requires_grad and draft.config.norm_before_fc and not draft.config.fc_norm

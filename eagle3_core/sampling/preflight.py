@@ -1,0 +1,31 @@
+"""Sampling's preflight: the disk its rows take, the target's files, and the port and GPUs of the server
+it starts (`eagle3_core.preflight`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eagle3_core.artifacts import TargetModel
+from eagle3_core.config import PipelineConfig
+from eagle3_core.events import RunEvents
+from eagle3_core.files import free_bytes
+from eagle3_core.preflight import conclude, disk_problem, engine_gpus, gpu_check, port_problem, server_gpus_source
+from eagle3_core.target.preflight import target_files_problems
+
+# A sampled row on disk (ids, mask, text, Parquet overhead) per token, rounded up: sampling's estimate.
+SAMPLE_BYTES_PER_TOKEN = 32
+
+
+def preflight_sampling(
+    config: PipelineConfig, target: TargetModel, out_dir: Path, prompts: int, own_server: bool, events: RunEvents
+) -> None:
+    """`own_server`: no server was handed in, so the phase starts one unless `server.engine` is external."""
+    starts_engine = own_server and config.server.engine == "vllm"
+    needed = prompts * (config.sampling.max_tokens + config.server.max_model_len // 4) * SAMPLE_BYTES_PER_TOKEN
+    free = free_bytes(out_dir)
+    gpus = engine_gpus(config) if starts_engine else 0
+    checks = {"disk_needed": needed, "disk_free": free, "gpus": gpus, "port": config.server.port}
+    problems = [disk_problem(out_dir, needed, free), *target_files_problems(target)]
+    if starts_engine:
+        problems += [port_problem(config.server), gpu_check(gpus, True, server_gpus_source(config.server))]
+    conclude("sampling", events, checks, problems)
