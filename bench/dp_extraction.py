@@ -26,16 +26,17 @@ from eagle3_core.extraction.vllm_backend import VllmBackend, extraction_args
 from eagle3_core.serving.engine import VllmServer, requests_in_flight
 from eagle3_core.target.prepare import prepare_target
 
-TESTS = Path(__file__).resolve().parents[1] / "tests"
+REPO = Path(__file__).resolve().parents[1]  # on sys.path for tests.helpers
 STATES = "states.pt"
 # vLLM's periodic stats line of an engine that prefilled something in its interval.
 PROMPT_THROUGHPUT = re.compile(r"(Engine \d+): Avg prompt throughput: (?!0\.0 )")
 
 
 def extract(work: Path, dp: int, samples: int) -> dict:
-    sys.path.insert(0, str(TESTS))
-    from extraction_fixtures import build_sample_set
+    sys.path.insert(0, str(REPO))
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
+
+    from tests.helpers.extraction_fixtures import build_sample_set
 
     root = work / f"dp{dp}"
     server = {"dtype": "float32", "max_model_len": 512, "data_parallel_size": dp, "startup_timeout_s": 1800}

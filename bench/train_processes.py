@@ -31,7 +31,7 @@ from eagle3_core.training.curves import RECORD_FILE, TRAIN, read_record
 from eagle3_core.training.launch import train_draft_on_host
 from eagle3_core.vocab import build_vocab_map
 
-TESTS = Path(__file__).resolve().parents[1] / "tests"
+REPO = Path(__file__).resolve().parents[1]  # on sys.path for tests.helpers
 
 
 def config_of(run_dir: Path, args: argparse.Namespace, processes: int) -> PipelineConfig:
@@ -87,8 +87,8 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=2048)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    sys.path.insert(0, str(TESTS))
-    from extraction_fixtures import build_sample_set  # the tests' conversations
+    sys.path.insert(0, str(REPO))
+    from tests.helpers.extraction_fixtures import build_sample_set  # the tests' conversations
 
     data_config = config_of(args.work / "data", args, 1)
     events = RunEvents(data_config.run_dir)

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 from prefect.testing.utilities import prefect_test_harness
-from served_targets import ServedTargets
-from tiny_targets import build_tiny_target
 
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import TargetConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.target.prepare import describe_folder, prepare_target
+from tests.helpers.served_targets import ServedTargets
+from tests.helpers.tiny_targets import build_tiny_target
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,7 @@ case ${1:-} in
     ;;
   run)
     timed python3 -m bench.gpu.device install || exit 1
-    timed python3 -m pytest --noconftest -p no:cacheprovider -q -s tests/unit/test_gpu_release.py 2>&1 | tail -5
+    timed python3 -m pytest --noconftest -p no:cacheprovider -q -s tests/unit/eagle3_core/serving/test_gpu_release.py 2>&1 | tail -5
     timed python3 -c "import vllm, prefect, pydantic; print('vllm', vllm.__version__, 'prefect', prefect.__version__)"
     flow run1
     collect

@@ -19,7 +19,6 @@ import re
 from pathlib import Path
 
 import pytest
-from extraction_fixtures import layer_cosines
 
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
@@ -32,6 +31,7 @@ from eagle3_core.preflight import PreflightError
 from eagle3_core.sampling.phase import sample_prompts
 from eagle3_core.sampling.table import iter_rows
 from eagle3_core.serving.engine import ServerError, VllmServer
+from tests.helpers.extraction_fixtures import layer_cosines
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from extraction_fixtures import build_sample_set
-from served_targets import FLOAT32
 
 from eagle3_core.artifacts import HiddenStateSet
 from eagle3_core.config import PipelineConfig
@@ -30,6 +28,8 @@ from eagle3_core.progress import ProgressUpdate
 from eagle3_core.sampling.phase import sample_prompts
 from eagle3_core.sampling.table import iter_rows, read_part, write_part
 from eagle3_core.training.state import LATEST, latest_state, save_state
+from tests.helpers.extraction_fixtures import build_sample_set
+from tests.helpers.served_targets import FLOAT32
 
 BALLAST = "ballast.bin"
 

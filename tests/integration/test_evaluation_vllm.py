@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from served_targets import FLOAT32
 
 from eagle3_core.artifacts import DraftCheckpoint, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.evaluation.speculative import torch_threads
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, RunEvents
+from tests.helpers.served_targets import FLOAT32
 
 pytestmark = pytest.mark.slow
 

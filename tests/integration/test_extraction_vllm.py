@@ -4,12 +4,12 @@ module, 8 short samples."""
 from __future__ import annotations
 
 import pytest
-from extraction_fixtures import build_sample_set, layer_cosines
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import ENGINE_START, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.extraction.reader import HiddenStateDataset
+from tests.helpers.extraction_fixtures import build_sample_set, layer_cosines
 
 pytestmark = pytest.mark.slow
 AGREEMENT = 0.999

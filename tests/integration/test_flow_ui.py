@@ -23,9 +23,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from postgres import fresh_database
 
 from eagle3_core.config import PipelineConfig
+from tests.helpers.postgres import fresh_database
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,6 @@ import signal
 import httpx
 import psutil
 import pytest
-from served_targets import FLOAT32
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -22,6 +21,7 @@ from eagle3_core.events import ENGINE_START, ENGINE_STOP, RESUME, RunEvents
 from eagle3_core.sampling.phase import SamplingAborted, sample_prompts
 from eagle3_core.sampling.table import iter_rows
 from eagle3_core.serving.engine import PortInUseError, VllmServer
+from tests.helpers.served_targets import FLOAT32
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,6 @@ import psutil
 import pytest
 import torch
 import yaml
-from extraction_fixtures import build_sample_set
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
 from safetensors.torch import load_file
@@ -38,6 +37,7 @@ from eagle3_core.target.prepare import prepare_target
 from eagle3_core.training.launch import LOGS_DIR, RankFailed, train_draft_on_host
 from eagle3_core.vocab import build_vocab_map
 from tasks.policy import is_deterministic
+from tests.helpers.extraction_fixtures import build_sample_set
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ import pytest
 
 from eagle3_core.config import ConfigError, PipelineConfig, Section, dump_config, load_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_every_field_has_a_description():

@@ -42,7 +42,7 @@ from tasks.target import prepare_target_task
 from tasks.training import POLICY as TRAINING_POLICY
 from tasks.training import train_draft_task
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
 
@@ -296,7 +296,7 @@ def test_progress_artifacts_are_throttled_and_finish_at_100():
 
 def test_the_training_task_publishes_the_training_curves(config, tmp_path, monkeypatch):
     from eagle3_core.training.curves import PLOT_FILE, curves_png
-    from tests.unit.test_vocab import fake_target
+    from tests.helpers.targets import fake_target
 
     draft_dir = Path(config.run_dir) / "draft"
     draft_dir.mkdir(parents=True)

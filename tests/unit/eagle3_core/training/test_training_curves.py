@@ -18,7 +18,7 @@ from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.training.curves import PLOT_FILE, RECORD_FILE, TENSORBOARD_DIR, TrainingCurves, read_record
 from eagle3_core.training.loop import run_training
 from flows.summary import PhaseRun, write_summary
-from tests.unit.test_training_loop import CPU, setup, synthetic_data
+from tests.helpers.training_data import CPU, synthetic_data, tiny_objective
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEPS = 8
@@ -36,7 +36,7 @@ def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 def train(out_dir: Path, progress: ProgressCallback = ignore_progress) -> dict[str, float]:
     data = synthetic_data(6)
-    objective, head = setup()
+    objective, head = tiny_objective()
     tc = TrainingConfig(max_steps=STEPS, checkpoint_every=3, lr=3e-3, batch_size=2)
     _, metrics = run_training(
         objective,

@@ -18,7 +18,7 @@ from eagle3_core.training.loss import (
     fused_soft_cross_entropy_rows,
     step_valid,
 )
-from tests.unit.test_draft import random_batch, tiny_draft, unroll
+from tests.helpers.drafts import random_batch, tiny_draft, unroll
 
 
 def fused_soft_cross_entropy(

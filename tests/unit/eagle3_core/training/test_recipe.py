@@ -39,8 +39,8 @@ from eagle3_core.training.optimizer import (
     same_shape_groups,
 )
 from eagle3_core.training.unroll import ttt_states
-from tests.unit.test_draft import assert_chain_equals_unroll, seeded_draft, tiny_config
-from tests.unit.test_training_loop import CPU, synthetic_data
+from tests.helpers.drafts import assert_chain_equals_unroll, seeded_draft, tiny_config
+from tests.helpers.training_data import CPU, synthetic_data
 
 FLAG_SETS = [
     {},

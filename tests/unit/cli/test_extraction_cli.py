@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 
-from extraction_fixtures import build_sample_set
 from typer.testing import CliRunner, Result
 
 from cli.main import app
 from eagle3_core.artifacts import HiddenStateSet
+from tests.helpers.extraction_fixtures import build_sample_set
 
 
 def extract_tiny(run_dir, tiny_llama, *overrides: str) -> Result:

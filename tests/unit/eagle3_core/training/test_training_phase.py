@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from extraction_fixtures import build_sample_set
 from safetensors.torch import load_file
 
 from eagle3_core.config import PipelineConfig
@@ -18,6 +17,7 @@ from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.training import phase
 from eagle3_core.training.phase import build_draft, export_training_state, train_draft
 from eagle3_core.vocab import StaleVocabMap, build_vocab_map
+from tests.helpers.extraction_fixtures import build_sample_set
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from eagle3_core.config import TrainingConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.serving.engine import free_port
 from eagle3_core.training.curves import RECORD_FILE, read_record
-from tests.unit.test_training_loop import setup, synthetic_data
+from tests.helpers.training_data import synthetic_data, tiny_objective
 
 
 def worker(rank: int, world: int, port: int, sharding: str, out: str) -> None:
@@ -37,7 +37,7 @@ def worker(rank: int, world: int, port: int, sharding: str, out: str) -> None:
 
     torch.set_num_threads(1)
     group = init_group("cpu")
-    objective, head = setup()
+    objective, head = tiny_objective()
     optimizer = "adamw" if sharding == "fsdp2" else "muon"  # Muon needs whole matrices (DDP)
     tc = TrainingConfig(max_steps=4, checkpoint_every=2, lr=3e-3, batch_size=1, sharding=sharding, optimizer=optimizer)
     curves = TrainingCurves(Path(out) if group.is_main else None)  # every rank reads the grad norm (FSDP2)
@@ -54,7 +54,7 @@ def test_two_ranks_train_one_draft(tmp_path: Path, sharding: str) -> None:
     mp.spawn(worker, args=(2, free_port(), sharding, str(tmp_path)), nprocs=2, join=True)
     rank0 = torch.load(tmp_path / "rank0.pt")
     rank1 = torch.load(tmp_path / "rank1.pt")
-    initial = setup()[0].state_dict()
+    initial = tiny_objective()[0].state_dict()
     assert rank0.keys() == rank1.keys()
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
@@ -80,7 +80,7 @@ def gradient_worker(rank: int, world: int, port: int, out: str) -> None:
     data = synthetic_data(4, seed=11 + rank)  # each rank its own batches
     grads = {}
     for early in (False, True):
-        objective, head = setup()
+        objective, head = tiny_objective()
         objective.ttt_steps = 3
         module = wrap(objective, group, "ddp", objective.draft.midlayer if early else None)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)

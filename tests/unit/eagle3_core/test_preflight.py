@@ -8,7 +8,6 @@ import socket
 from pathlib import Path
 
 import pytest
-from extraction_fixtures import build_sample_set
 
 from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
@@ -27,6 +26,7 @@ from eagle3_core.preflight import (
 from eagle3_core.target.preflight import layer_problem, target_files_problems
 from eagle3_core.target.prepare import describe_folder
 from eagle3_core.training.preflight import checkpoint_bytes, preflight_training
+from tests.helpers.extraction_fixtures import build_sample_set
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from eagle3_core.preflight import PreflightError
 from eagle3_core.target.prepare import describe_folder
 from eagle3_core.training.preflight import preflight_training
 
-CONFIG_FILE = Path(__file__).parents[2] / "configs" / "kimi-k2.5-tp8.yaml"
+CONFIG_FILE = Path(__file__).parents[3] / "configs" / "kimi-k2.5-tp8.yaml"
 LAYERS, HIDDEN, VOCAB, HEADS, INTERMEDIATE = 61, 7168, 163840, 64, 18432
 KIMI_TEXT = {
     "architectures": ["DeepseekV3ForCausalLM"],

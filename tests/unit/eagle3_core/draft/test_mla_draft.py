@@ -18,24 +18,19 @@ from eagle3_core.draft.export import check_checkpoint, checkpoint_tensors, expor
 from eagle3_core.draft.model import DraftConfig, DraftKVCache, Eagle3Draft
 from eagle3_core.training.attention import document_causal_mask, merge_diagonal, ttt_attention_eager
 from eagle3_core.training.distributed import projection_layout
-from tests.unit.test_draft import assert_chain_equals_unroll, reference_ttt_attention, seeded_draft, tiny_config
+from tests.helpers.drafts import (
+    HEADS,
+    KV_RANK,
+    NOPE,
+    ROPE,
+    V_DIM,
+    assert_chain_equals_unroll,
+    mla_config,
+    reference_ttt_attention,
+    seeded_draft,
+)
 
-HEADS, NOPE, ROPE, V_DIM, KV_RANK = 4, 6, 4, 5, 12
 RECIPE = {"fc_norm": True, "norm_before_residual": True, "norm_output": True}
-
-
-def mla_config(q_lora_rank: int | None = 10, **flags: bool) -> DraftConfig:
-    return replace(
-        tiny_config(),
-        architecture="deepseek_mla",
-        num_key_value_heads=HEADS,
-        q_lora_rank=q_lora_rank,
-        kv_lora_rank=KV_RANK,
-        qk_nope_head_dim=NOPE,
-        qk_rope_head_dim=ROPE,
-        v_head_dim=V_DIM,
-        **flags,
-    )
 
 
 def mla_draft(q_lora_rank: int | None = 10, seed: int = 0, **flags: bool) -> Eagle3Draft:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_core.draft.export import check_checkpoint, checkpoint_tensors, export_draft, load_exported
 from eagle3_core.draft.model import DraftKVCache, Eagle3Draft
-from tests.unit.test_draft import tiny_draft
+from tests.helpers.drafts import tiny_draft
 
 
 def float_draft() -> Eagle3Draft:

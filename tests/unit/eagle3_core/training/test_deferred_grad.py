@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.unit.test_draft import random_batch, tiny_draft, unroll
+from tests.helpers.drafts import random_batch, tiny_draft, unroll
 
 
 def loss_of(draft, batch, defer: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:

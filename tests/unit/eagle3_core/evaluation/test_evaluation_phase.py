@@ -12,8 +12,8 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.evaluation.phase import evaluate_draft
 from eagle3_core.evaluation.report import AcceptanceBelowFloor
 from eagle3_core.events import CACHE_HIT, RESUME, WEIGHT_LOAD, RunEvents
-from tests.evaluation_fixtures import exported_checkpoint, random_draft, varied_tiny_target
-from tests.extraction_fixtures import build_sample_set
+from tests.helpers.evaluation_fixtures import exported_checkpoint, random_draft, varied_tiny_target
+from tests.helpers.extraction_fixtures import build_sample_set
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_random_draft_trips_the_guard_after_writing_the_report(setup, tmp_path: 
 
 def test_a_held_out_prompt_seen_in_training_fails_before_measuring(setup, tmp_path: Path) -> None:
     from eagle3_core.evaluation.prompts import PromptOverlapError
-    from tests.extraction_fixtures import PROMPTS
+    from tests.helpers.extraction_fixtures import PROMPTS
 
     target, _, checkpoint = setup
     # 24 rows over 12 distinct questions: every question is both held out and trained on somewhere.

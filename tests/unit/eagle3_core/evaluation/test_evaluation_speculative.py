@@ -18,7 +18,7 @@ from eagle3_core.evaluation.speculative import (
     torch_threads,
 )
 from eagle3_core.target.models import default_aux_layer_ids
-from tests.evaluation_fixtures import random_draft, varied_tiny_target
+from tests.helpers.evaluation_fixtures import random_draft, varied_tiny_target
 
 MESSAGES = [
     [{"role": "user", "content": "Write a Python function that reverses a string."}],

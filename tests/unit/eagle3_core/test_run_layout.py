@@ -11,7 +11,7 @@ from eagle3_core.events import RunEvents
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.serving.engine import VllmServer
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FOLDERS = ("samples", "hidden_states", "incoming", "vocab", "draft", "export", "state", "eval", "summary", "server")
 # A folder name joined onto a path: `/ "samples"`, `/ 'draft'`.
 JOINED = re.compile(r"/\s*[\"'](" + "|".join(FOLDERS) + r")[\"']")

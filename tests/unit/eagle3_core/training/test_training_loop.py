@@ -24,39 +24,8 @@ from eagle3_core.training.loop import (
     split_validation,
     step_batches,
 )
-from eagle3_core.training.loss import TargetHead, TTTObjective
 from eagle3_core.training.state import latest_state
-from tests.unit.test_draft import tiny_draft
-
-CPU = Group(rank=0, world=1, device=torch.device("cpu"))
-
-
-def synthetic_data(count: int, seed: int = 5) -> list[dict[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    items = []
-    for _ in range(count):
-        lengths = [int(n) for n in torch.randint(6, 12, (2,), generator=generator)]
-        total = sum(lengths)
-        items.append(
-            {
-                "aux": torch.randn(total, 3, 32, generator=generator),
-                "last": torch.randn(total, 32, generator=generator),
-                "input_ids": torch.randint(0, 97, (total,), generator=generator),
-                "loss_mask": torch.rand(total, generator=generator) > 0.2,
-                "position_ids": torch.cat([torch.arange(n) for n in lengths]),
-                "document_ids": torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)]),
-            }
-        )
-    return items
-
-
-def setup(seed: int = 0) -> tuple[TTTObjective, TargetHead]:
-    draft = tiny_draft(seed).float()
-    generator = torch.Generator().manual_seed(9)
-    head = TargetHead(
-        weight=torch.randn(40, 32, generator=generator), norm_weight=torch.ones(32), eps=1e-5, d2t=draft.d2t
-    )
-    return TTTObjective(draft, ttt_steps=2, step_weight=0.8, attention="eager"), head
+from tests.helpers.training_data import CPU, synthetic_data, tiny_objective
 
 
 def config(**overrides) -> TrainingConfig:
@@ -66,12 +35,12 @@ def config(**overrides) -> TrainingConfig:
 def test_resumed_run_ends_bit_for_bit_where_uninterrupted_run_ends(tmp_path: Path, monkeypatch) -> None:
     data = synthetic_data(6)
     events = RunEvents(tmp_path)
-    objective, head = setup()
+    objective, head = tiny_objective()
     steps, _ = run_training(objective, head, data, None, config(), tmp_path / "straight", CPU, events)
     assert steps == 8
     straight = {k: v.clone() for k, v in objective.state_dict().items()}
 
-    objective, head = setup()
+    objective, head = tiny_objective()
     # The run fails after step 5, as a crash there would (the fault injection the phases use; every step reported).
     monkeypatch.setenv(ENV, "training:steps=5")
     updates = []
@@ -80,7 +49,7 @@ def test_resumed_run_ends_bit_for_bit_where_uninterrupted_run_ends(tmp_path: Pat
         run_training(objective, head, data, None, config(), tmp_path / "resumed", CPU, events, crashing, 0.0)
     monkeypatch.delenv(ENV)
     assert updates[-1].done == 5 and latest_state(tmp_path / "resumed").name == "step-00000003.pt"
-    objective, head = setup()  # a fresh process; its trainable weights are not even the initial ones
+    objective, head = tiny_objective()  # a fresh process; its trainable weights are not even the initial ones
     with torch.no_grad():
         for parameter in objective.parameters():
             if parameter.requires_grad:
@@ -94,7 +63,7 @@ def test_resumed_run_ends_bit_for_bit_where_uninterrupted_run_ends(tmp_path: Pat
 
 def test_training_lowers_loss_and_reports_validation(tmp_path: Path) -> None:
     data = synthetic_data(8)
-    objective, head = setup()
+    objective, head = tiny_objective()
     updates = []
     tc = TrainingConfig(max_steps=40, checkpoint_every=100, lr=1e-2, batch_size=2, warmup_ratio=0.1)
     steps, metrics = run_training(
@@ -130,7 +99,7 @@ def test_validation_split_is_salted_against_the_evaluation_holdout() -> None:
 def test_scored_rows_from_the_loader_equal_the_objective_own() -> None:
     """`collate(..., ttt_steps)` computes the scored rows on the CPU (no host sync in the step): same loss,
     stats and gradients as the objective computing them itself; a batch scored for other steps is refused."""
-    objective, head = setup()
+    objective, head = tiny_objective()
     items = synthetic_data(2)
     results = []
     for batch in (collate(items, CPU.device, 1), collate(items, CPU.device, 1, objective.ttt_steps)):
@@ -178,7 +147,7 @@ def test_prefetched_batches_equal_the_inline_ones_from_any_start(tmp_path: Path,
     """Same batches, same order, same values (fp8/bf16 states dequantised after the copy instead of when
     read), from step 0 and from a resume position mid-epoch."""
     from eagle3_core.extraction.reader import HiddenStateDataset
-    from tests.unit.test_extraction_reader import make_set
+    from tests.helpers.hidden_state_sets import make_set
 
     hidden = make_set(tmp_path, [5, 9, 3, 7, 4, 6, 8], dtype=dtype)
     before = HiddenStateDataset(hidden, 12)  # float32 items, as the loop read them before
@@ -202,7 +171,7 @@ def test_history_is_the_same_whatever_the_report_interval(tmp_path: Path) -> Non
     data = synthetic_data(6)
     histories, messages = [], []
     for interval in (0.0, 1e9):
-        objective, head = setup()
+        objective, head = tiny_objective()
         updates = []
         tc = config()
         state_dir = tmp_path / str(interval)

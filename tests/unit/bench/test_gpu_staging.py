@@ -23,7 +23,7 @@ from bench.gpu.parts import Manifest, join_parts, missing_parts, part_ranges, sh
 from bench.gpu.trim import is_trimmed, record_without, repack_wheel
 from eagle3_core.config import load_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_device_packages_reads_the_kinds_list() -> None:

@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-from extraction_fixtures import build_sample_set
 from transformers import AutoModelForCausalLM
 
 from eagle3_core.config import PipelineConfig
@@ -18,6 +17,7 @@ from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.extraction.reader import HiddenStateDataset
 from eagle3_core.extraction.storage import FP8_MAX_RELATIVE_ERROR
 from eagle3_core.sampling.table import is_heldout, iter_rows
+from tests.helpers.extraction_fixtures import build_sample_set
 
 
 @pytest.fixture(scope="module")

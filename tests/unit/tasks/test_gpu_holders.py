@@ -35,7 +35,7 @@ from tasks.gpu_holders import death_of
 
 RUN_IDS = {name: uuid4() for name in ("ended", "running", "missing")}
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # Holds `limit` for `seconds`, inside a flow run; prints "held" once it has the slot. Without
 # PREFECT_API_URL it first starts its temporary server the way `eagle3 run` does.

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3_core.artifacts import SampleSet, TargetModel, record_files
+from eagle3_core.artifacts import SampleSet, record_files
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, RunEvents
 from eagle3_core.sampling.table import is_heldout, write_part
@@ -22,25 +22,7 @@ from eagle3_core.vocab import (
     mapping_tensors,
     select_draft_tokens,
 )
-
-VOCAB = 50
-
-
-def fake_target(root: Path) -> TargetModel:
-    return TargetModel(
-        root=str(root),
-        name="fake",
-        source="local",
-        architecture="LlamaForCausalLM",
-        model_type="llama",
-        num_layers=8,
-        hidden_size=16,
-        vocab_size=VOCAB,
-        tie_word_embeddings=True,
-        config_digest="c",
-        tokenizer_digest="t",
-        chat_template=None,
-    )
+from tests.helpers.targets import VOCAB, fake_target
 
 
 def sample_set(root: Path, rows: list[dict]) -> SampleSet:
