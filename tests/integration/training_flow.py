@@ -1,5 +1,5 @@
 """The training task alone in a real Prefect flow run (its cache policy, `gpu` slot, retries and progress), on
-upstream manifests already made: what `tests/integration/test_training_launch.py` runs in its own process,
+upstream manifests already made: what `tests/integration/test_training_torchrun.py` runs in its own process,
 and, as a script (`python training_flow.py CONFIG HIDDEN_STATES VOCAB`), the flow process it SIGKILLs."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The launch of training under torchrun (`eagle3_core.training.launch`), piece by piece without starting it:
 the process count, the commands, what a rank sends back (progress, events), how a failed rank is told,
-and that the count is part of no cache key. `tests/integration/test_training_launch.py` launches it."""
+and that the count is part of no cache key. `tests/integration/test_training_torchrun.py` launches it."""
 
 from __future__ import annotations
 
