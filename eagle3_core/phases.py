@@ -33,7 +33,7 @@ EVERY_PHASE_READS = ("run_dir", "orchestration")
 @dataclass(frozen=True)
 class PhaseSpec:
     """A phase as its cache keys see it. `reads`: dotted config paths (sections or fields) the phase reads;
-    each field under them has a role for this phase (checked by tests/unit/test_phase_roles.py)."""
+    each field under them has a role for this phase (checked by tests/unit/eagle3_core/test_phase_roles.py)."""
 
     name: str
     version: int
