@@ -84,7 +84,10 @@ SAMPLES: dict[Any, list[Any]] = {
     Path: [Path("elsewhere")],
 }
 # Fields whose only other values are refused by a validator at the default config, and their base.
-BASES = {"training.sharding": {"training": {"optimizer": "adamw"}}}
+BASES = {
+    "training.sharding": {"training": {"optimizer": "adamw"}},
+    "orchestration.host": {"orchestration": {"hosts": 2}},
+}
 VALUES = {"extraction.layer_ids": [[2, 7, 20]]}  # three ascending ids that fit the target
 
 
@@ -93,6 +96,8 @@ def candidates(annotation: Any) -> list[Any]:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
         return list(reversed(args))
+    if origin is typing.Annotated:  # PositiveInt inside a union
+        return candidates(args[0])
     if origin is list:
         return [[item] for item in candidates(args[0])]
     if origin is dict:
