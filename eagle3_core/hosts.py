@@ -61,6 +61,11 @@ def host_slice(config: PipelineConfig) -> HostSlice | None:
     return None if orchestration.host is None else HostSlice(orchestration.host, orchestration.hosts)
 
 
+def in_slice(part: HostSlice | None, item_id: str) -> bool:
+    """Whether `item_id` is for this process to work on: every id without a slice."""
+    return part is None or part.takes(item_id)
+
+
 def every_slice(hosts: int) -> list[HostSlice]:
     return [HostSlice(host, hosts) for host in range(hosts)]
 

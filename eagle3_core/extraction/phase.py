@@ -33,7 +33,7 @@ from eagle3_core.extraction.storage import (
     shard_name,
 )
 from eagle3_core.files import sha256_json, write_text_atomic
-from eagle3_core.hosts import host_slice
+from eagle3_core.hosts import host_slice, in_slice
 from eagle3_core.phases import EXTRACTION, phase_key
 from eagle3_core.preflight import preflight_extraction
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
@@ -165,9 +165,7 @@ def extract_hidden_states(
 
     key = sha256_json({"config": cfg, "target": upstream["target"]})
     part = host_slice(config)
-    rows = [
-        r for r in training_rows(sample_set, config.sampling.holdout_fraction) if part is None or part.takes(r["id"])
-    ]
+    rows = [r for r in training_rows(sample_set, config.sampling.holdout_fraction) if in_slice(part, r["id"])]
     if not rows and part is None:  # a host's slice of a tiny set may be empty
         raise ValueError(f"{sample_set.root}: no ok, non-held-out samples to extract")
     shards = plan_shards(rows, config.extraction.samples_per_shard)

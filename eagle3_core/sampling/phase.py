@@ -23,7 +23,7 @@ import httpx
 from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig, SamplingConfig
 from eagle3_core.events import DECISION, RunEvents
-from eagle3_core.hosts import host_slice
+from eagle3_core.hosts import host_slice, in_slice
 from eagle3_core.phases import SAMPLING
 from eagle3_core.preflight import preflight_sampling
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
@@ -259,7 +259,7 @@ def sample_prompts(
     written; see the module docstring. A SharedServer is started only when there is something to sample."""
     every_prompt = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
     part = host_slice(config)
-    prompts = [p for p in every_prompt if part is None or part.takes(p.id)]
+    prompts = [p for p in every_prompt if in_slice(part, p.id)]
     store = SampleStore.of_run(config, target, prompts, events)
     if cached := store.cached():
         return cached
