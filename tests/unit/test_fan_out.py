@@ -1,6 +1,7 @@
 """The fan-out over hosts (tasks/hosts.py, flows/host_phase.py) without a worker: each child run's parameters
 are JSON that the `host-phase` flow validates into its slice's config and the upstream manifests; the child
-holds its own host's GPU slot; child runs that did not complete fail the parent's task by name."""
+holds its own host's GPU slot and writes its slice's folder, and run again it resumes there; child runs that
+did not complete fail the parent's task by name."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ from pathlib import Path
 from uuid import uuid4
 
 import pytest
+from extraction_fixtures import build_sample_set
+from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import FlowRun
 from prefect.states import Completed, Crashed
 
 from eagle3_core.config import PipelineConfig
+from eagle3_core.events import CACHE_HIT, RunEvents
 from eagle3_core.run_layout import RunLayout
 from flows.host_phase import host_phase
 from tasks import hosts
@@ -60,3 +64,18 @@ def test_child_runs_that_did_not_complete_are_named(monkeypatch: pytest.MonkeyPa
         (DEPLOYMENT, 0, "extraction-host-0-of-2", 0),
         (DEPLOYMENT, 1, "extraction-host-1-of-2", 0),
     ]
+
+
+def test_a_child_run_extracts_its_slice_holding_its_hosts_slot_and_resumes_there(
+    prefect_api, tmp_path: Path, smollm2_target, tiny_llama
+):
+    samples = build_sample_set(tmp_path / "samples", smollm2_target.root_path, num_ok=6)
+    config = PipelineConfig(run_dir=tmp_path / "run", extraction={"backend": "hf"}, orchestration={"hosts": 2})
+    parameters = child_parameters(config, "extraction", 1, {"sample_set": samples, "target": tiny_llama})
+    sliced = host_phase(**host_phase.validate_parameters(parameters))
+    assert sliced.root == str((tmp_path / "run" / "hidden_states" / "host-1-of-2").resolve())
+    assert 0 < sliced.samples < 6
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name(f"gpu-{socket.gethostname()}").limit == 1
+    again = host_phase(**host_phase.validate_parameters(parameters))
+    assert again.digest == sliced.digest and RunEvents(config.run_dir).count(CACHE_HIT) == 1
