@@ -37,7 +37,7 @@ def child_parameters(config: PipelineConfig, phase: str, host: int, upstream: di
     return {
         "config": on_host(config, host).model_dump(mode="json"),
         "phase": phase,
-        **{name: manifest.model_dump(mode="json") for name, manifest in upstream.items()},
+        **{name: manifest.model_dump(mode="json", exclude={"digest"}) for name, manifest in upstream.items()},
     }
 
 

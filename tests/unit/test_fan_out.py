@@ -15,6 +15,8 @@ from extraction_fixtures import build_sample_set
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import FlowRun
 from prefect.states import Completed, Crashed
+from prefect.utilities.callables import parameter_schema
+from prefect.utilities.schema_tools import validate
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, RunEvents
@@ -23,11 +25,14 @@ from flows.host_phase import host_phase
 from tasks import hosts
 from tasks.hosts import DEPLOYMENT, HostsFailed, child_parameters, host_gpu_limit, run_on_hosts
 
+SCHEMA = parameter_schema(host_phase).model_dump_for_openapi()
+
 
 def test_each_child_gets_its_slice_and_the_upstream_manifests(tmp_path: Path, smollm2_target):
     config = PipelineConfig(run_dir=tmp_path, orchestration={"hosts": 3})
     for host in range(3):
         parameters = child_parameters(config, "sampling", host, {"target": smollm2_target})
+        validate(parameters, SCHEMA, raise_on_error=True)  # as the server does when it creates the run
         validated = host_phase.validate_parameters(json.loads(json.dumps(parameters)))
         child = validated["config"]
         assert (child.orchestration.host, child.orchestration.hosts, validated["phase"]) == (host, 3, "sampling")
