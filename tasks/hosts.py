@@ -1,26 +1,26 @@
 """Fan-out of a phase over `orchestration.hosts` hosts with Prefect's own machinery: one child flow run per
 host of the `host-phase` deployment (`flows/host_phase.py`) on the `gpu` work pool, started with
-`run_deployment` and awaited with `wait_for_flow_run`. Each child works on its slice
+`run_deployment` and awaited by reading their states from the API. Each child works on its slice
 (`orchestration.host`, `eagle3_core.hosts`) in the shared run directory; the parent's task merges what they
 left. Which worker, and so which host, runs a child is the pool's business: a lost host's slice is run again
 by whichever worker takes it on the parent task's retry, resuming from the shards it had written."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
+import time
 from typing import Any
 
+from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
-from prefect.flow_runs import wait_for_flow_run
 
 from eagle3_core.artifacts import Manifest
 from eagle3_core.config import PipelineConfig
 from eagle3_core.hosts import every_slice
-from tasks.policy import call_outside_event_loop
 
 DEPLOYMENT = "host-phase/host-phase"  # flow name / deployment name (prefect.yaml)
+POLL_S = 5.0
 
 
 class HostsFailed(RuntimeError):
@@ -49,8 +49,15 @@ def host_gpu_limit(config: PipelineConfig) -> PipelineConfig:
     return config.model_copy(update={"orchestration": orchestration.model_copy(update={"gpu_limit": limit})})
 
 
-async def wait_for_all(runs: list[FlowRun]) -> list[FlowRun]:
-    return list(await asyncio.gather(*(wait_for_flow_run(run.id, timeout=None, log_states=True) for run in runs)))
+def wait_for_all(runs: list[FlowRun], poll_s: float = POLL_S) -> list[FlowRun]:
+    """The runs as the API has them once every one is final, read every `poll_s` seconds (the API's event
+    stream, which `wait_for_flow_run` follows, lost a child's final state on a loaded server)."""
+    with get_client(sync_client=True) as client:
+        while True:
+            current = [client.read_flow_run(run.id) for run in runs]
+            if all(run.state is not None and run.state.is_final() for run in current):
+                return current
+            time.sleep(poll_s)
 
 
 def run_on_hosts(config: PipelineConfig, phase: str, **upstream: Manifest) -> None:
@@ -66,7 +73,7 @@ def run_on_hosts(config: PipelineConfig, phase: str, **upstream: Manifest) -> No
         )
         for part in every_slice(hosts)
     ]
-    finished = call_outside_event_loop(lambda: asyncio.run(wait_for_all(runs)))
+    finished = wait_for_all(runs)
     failed = [
         f"host {host}: {run.name} {run.state!r}"
         for host, run in enumerate(finished)

@@ -54,7 +54,7 @@ def test_child_runs_that_did_not_complete_are_named(monkeypatch: pytest.MonkeyPa
         started.append((name, parameters["config"]["orchestration"]["host"], flow_run_name, timeout))
         return FlowRun(flow_id=uuid4(), name=flow_run_name)
 
-    async def wait_for_all(runs):
+    def wait_for_all(runs):
         states = [Completed(), Crashed(message="worker on gpu-b lost")]
         return [run.model_copy(update={"state": state}) for run, state in zip(runs, states, strict=True)]
 
