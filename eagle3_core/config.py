@@ -636,6 +636,38 @@ class OrchestrationConfig(Section):
         description="Shortest interval between two updates of one Prefect progress artifact.",
         json_schema_extra=operational(EVERY_PHASE),
     )
+    hosts: PositiveInt = Field(
+        1,
+        description="Hosts a run spreads sampling, extraction and training over (child flow runs on the gpu work "
+        "pool, one slice each, sharing run_dir); 1: everything in this flow run.",
+        json_schema_extra=operational(EVERY_PHASE),
+    )
+    host: int | None = Field(
+        None,
+        ge=0,
+        description="The slice of the ids this process works on, 0..hosts-1 (the parent flow sets it for its "
+        "child runs); None: every id.",
+        json_schema_extra=operational(EVERY_PHASE),
+    )
+    rendezvous_host: str = Field(
+        "localhost",
+        description="Host name of the node that hosts torchrun's c10d rendezvous when training spans hosts "
+        "(a host running a gpu worker, reachable from every other).",
+        json_schema_extra=operational(EVERY_PHASE),
+    )
+    rendezvous_port: int = Field(
+        29400,
+        ge=1,
+        le=65535,
+        description="TCP port of torchrun's c10d rendezvous on rendezvous_host (open between the hosts).",
+        json_schema_extra=operational(EVERY_PHASE),
+    )
+
+    @model_validator(mode="after")
+    def _host_within_hosts(self) -> OrchestrationConfig:
+        if self.host is not None and self.host >= self.hosts:
+            raise ValueError(f"host {self.host} is not one of the {self.hosts} hosts (0..{self.hosts - 1})")
+        return self
 
 
 class PipelineConfig(Section):

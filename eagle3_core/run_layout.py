@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_core.config import PipelineConfig
+from eagle3_core.hosts import HostSlice, host_slice
 
 EXPORT = "export"
 STATE = "state"
@@ -56,19 +57,26 @@ class PromotedLayout:
 
 @dataclass(frozen=True)
 class RunLayout:
+    """The folders of a run; with `part`, a host's slice of a run spread over hosts, whose samples and
+    hidden states are folders of their own under the run's (`eagle3_core.hosts`)."""
+
     root: Path
+    part: HostSlice | None = None
 
     @classmethod
     def of(cls, config: PipelineConfig) -> RunLayout:
-        return cls(Path(config.run_dir))
+        return cls(Path(config.run_dir), host_slice(config))
+
+    def sliced(self, folder: Path) -> Path:
+        return folder if self.part is None else self.part.folder(folder)
 
     @property
     def samples(self) -> Path:
-        return self.root / "samples"
+        return self.sliced(self.root / "samples")
 
     @property
     def hidden_states(self) -> Path:
-        return self.root / "hidden_states"
+        return self.sliced(self.root / "hidden_states")
 
     @property
     def incoming_states(self) -> Path:

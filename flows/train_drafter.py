@@ -4,7 +4,10 @@ Tasks are called without an enclosing transaction, so each phase commits its own
 completes: a failed training never rolls back an extraction, and the next run (same config) returns every
 completed phase as Cached and resumes the unfinished one from its last shard or checkpoint.
 
-With `extraction.reuse_sampling_server` resolved to reuse, sampling and extraction get one shared vLLM
+With `orchestration.hosts` > 1, sampling, extraction and training fan out as child flow runs on the `gpu`
+pool, one per host (`tasks.hosts`, `flows/host_phase.py`), and their tasks merge what the hosts wrote.
+
+With `extraction.reuse_sampling_server` resolved to reuse (one host), sampling and extraction get one shared vLLM
 server (a task parameter outside every cache key); it is stopped right after extraction, or in the
 `finally` of that block when either phase fails.
 """
@@ -26,12 +29,12 @@ from eagle3_core.events import RunEvents
 from flows.hooks import stop_engines
 from flows.summary import PhaseRun, write_summary
 from tasks.evaluation import evaluate_draft_task
-from tasks.extraction import extract_hidden_states_task
+from tasks.extraction import extract_hidden_states_task, extract_on_hosts_task
 from tasks.policy import configured
-from tasks.sampling import sample_prompts_task
+from tasks.sampling import sample_on_hosts_task, sample_prompts_task
 from tasks.shared_server import sampling_and_extraction_server
 from tasks.target import prepare_target_task
-from tasks.training import train_draft_task
+from tasks.training import train_draft_task, train_on_hosts_task
 from tasks.vocab import build_vocab_map_task
 
 
@@ -52,11 +55,16 @@ class PhaseRunner:
 
 def run_all_phases(config: PipelineConfig, runner: Callable[..., Any]) -> tuple[DraftCheckpoint, EvalReport]:
     target = runner(prepare_target_task, "prepare_target")
-    with sampling_and_extraction_server(config, target) as shared:
-        samples = runner(sample_prompts_task, "sampling", target, shared=shared)
-        hidden_states = runner(extract_hidden_states_task, "extraction", samples, target, shared=shared)
+    if config.orchestration.hosts > 1:
+        samples = runner(sample_on_hosts_task, "sampling", target)
+        hidden_states = runner(extract_on_hosts_task, "extraction", samples, target)
+    else:
+        with sampling_and_extraction_server(config, target) as shared:
+            samples = runner(sample_prompts_task, "sampling", target, shared=shared)
+            hidden_states = runner(extract_hidden_states_task, "extraction", samples, target, shared=shared)
     vocab_map = runner(build_vocab_map_task, "vocab", samples, target)
-    checkpoint = runner(train_draft_task, "training", hidden_states, vocab_map, target)
+    training = train_on_hosts_task if config.orchestration.hosts > 1 else train_draft_task
+    checkpoint = runner(training, "training", hidden_states, vocab_map, target)
     report = runner(evaluate_draft_task, "evaluation", checkpoint, target, samples)
     return checkpoint, report
 

@@ -8,8 +8,10 @@ from prefect import task
 
 from eagle3_core.artifacts import HiddenStateSet, SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
+from eagle3_core.events import RunEvents
 from eagle3_core.phases import EXTRACTION
 from eagle3_core.serving.shared import SharedServer
+from tasks.hosts import run_on_hosts
 from tasks.policy import PhaseCachePolicy, phase_task_options, run_gpu_phase
 
 PHASE = EXTRACTION.name
@@ -31,3 +33,13 @@ def extract_hidden_states_task(
         lambda events, progress: extract_hidden_states(config, sample_set, target, events, progress, shared),
         shared,
     )
+
+
+@task(**phase_task_options(POLICY))
+def extract_on_hosts_task(config: PipelineConfig, sample_set: SampleSet, target: TargetModel) -> HiddenStateSet:
+    """Extract on `orchestration.hosts` hosts, a child flow run each (`tasks.hosts`), and merge their slices;
+    keyed as one host's extraction (the same states)."""
+    from eagle3_core.extraction.merge import merge_slices
+
+    run_on_hosts(config, PHASE, sample_set=sample_set, target=target)
+    return merge_slices(config, sample_set, target, RunEvents(config.run_dir))

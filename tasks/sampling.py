@@ -9,10 +9,12 @@ from prefect import task
 
 from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
+from eagle3_core.events import RunEvents
 from eagle3_core.files import sha256_file
 from eagle3_core.phases import SAMPLING
 from eagle3_core.sampling.prompts import DEMO, demo_prompts_path
 from eagle3_core.serving.shared import SharedServer
+from tasks.hosts import run_on_hosts
 from tasks.policy import PhaseCachePolicy, phase_task_options, run_gpu_phase
 
 PHASE = SAMPLING.name
@@ -40,3 +42,13 @@ def sample_prompts_task(config: PipelineConfig, target: TargetModel, shared: Sha
     return run_gpu_phase(
         PHASE, config, lambda events, progress: sample_prompts(config, target, events, progress, shared), shared
     )
+
+
+@task(**phase_task_options(POLICY))
+def sample_on_hosts_task(config: PipelineConfig, target: TargetModel) -> SampleSet:
+    """Sample on `orchestration.hosts` hosts, a child flow run each (`tasks.hosts`), and merge their slices;
+    keyed as one host's sampling (the same rows)."""
+    from eagle3_core.sampling.store import merge_slices
+
+    run_on_hosts(config, PHASE, target=target)
+    return merge_slices(config, target, RunEvents(config.run_dir))

@@ -16,6 +16,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.files import folder_identity
 from eagle3_core.phases import TRAINING
 from eagle3_core.training.curves import curves_markdown
+from tasks.hosts import run_on_hosts
 from tasks.policy import PhaseCachePolicy, phase_task_options, run_gpu_phase
 
 PHASE = TRAINING.name
@@ -43,6 +44,23 @@ def train_draft_task(
             config, hidden_states, vocab_map, target, events, progress, log_line
         ),
     )
+    return with_curves(checkpoint)
+
+
+@task(**phase_task_options(POLICY))
+def train_on_hosts_task(
+    config: PipelineConfig, hidden_states: HiddenStateSet, vocab_map: VocabMap, target: TargetModel
+) -> DraftCheckpoint:
+    """Train on `orchestration.hosts` hosts: a child flow run each (`tasks.hosts`), each a node of one
+    multi-node torchrun; keyed as one host's training (the process count is operational)."""
+    from eagle3_core.training.launch import launched_checkpoint
+
+    run_on_hosts(config, PHASE, hidden_states=hidden_states, vocab_map=vocab_map, target=target)
+    return with_curves(launched_checkpoint(config, hidden_states, vocab_map, target))
+
+
+def with_curves(checkpoint: DraftCheckpoint) -> DraftCheckpoint:
+    """`checkpoint`, its training curves published as the `training-curves` artifact."""
     curves = curves_markdown(checkpoint.root_path)
     if curves is not None:
         create_markdown_artifact(curves, key="training-curves", description="Loss, top-1, acceptance, lr, grad norm")

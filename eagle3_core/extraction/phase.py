@@ -34,6 +34,7 @@ from eagle3_core.extraction.storage import (
     shard_name,
 )
 from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.hosts import host_slice, in_slice
 from eagle3_core.phases import EXTRACTION, phase_key
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.run_layout import RunLayout
@@ -47,6 +48,10 @@ def phase_config(config: PipelineConfig, target: TargetModel) -> dict[str, Any]:
     """The fields marked content (what is stored; not batch size, concurrency, device or the engine) and
     the layer ids as resolved for this target."""
     return {**phase_key(config, EXTRACTION), "layer_ids": resolve_layer_ids(config, target)}
+
+
+def upstream_of(sample_set: SampleSet, target: TargetModel) -> dict[str, str]:
+    return {"sample_set": sample_set.digest, "target": target.digest}
 
 
 def training_rows(sample_set: SampleSet, holdout_fraction: float) -> list[SampleRow]:
@@ -149,18 +154,19 @@ def extract_hidden_states(
     progress: ProgressCallback = ignore_progress,
     server: Any = None,
 ) -> HiddenStateSet:
-    """Extract the aux and last hidden states of every training sample into `<run_dir>/hidden_states/`."""
+    """Extract the aux and last hidden states of every training sample (of this host's slice,
+    `orchestration.host`) into `<run_dir>/hidden_states/` (the slice's folder under it)."""
     out_dir = RunLayout.of(config).hidden_states
-    cfg = phase_config(config, target)
-    upstream = {"sample_set": sample_set.digest, "target": target.digest}
+    cfg, upstream = phase_config(config, target), upstream_of(sample_set, target)
     cached = cached_manifest(out_dir, cfg, upstream)
     if cached is not None:
         events.record(PHASE, CACHE_HIT, f"hidden states at {out_dir} are complete and valid", digest=cached.digest)
         return cached
 
     key = sha256_json({"config": cfg, "target": upstream["target"]})
-    rows = training_rows(sample_set, config.sampling.holdout_fraction)
-    if not rows:
+    part = host_slice(config)
+    rows = [r for r in training_rows(sample_set, config.sampling.holdout_fraction) if in_slice(part, r["id"])]
+    if not rows and part is None:  # a host's slice of a tiny set may be empty
         raise ValueError(f"{sample_set.root}: no ok, non-held-out samples to extract")
     shards = plan_shards(rows, config.extraction.samples_per_shard)
     keys = [shard_key(key, s) for s in shards]
@@ -297,14 +303,21 @@ def build_manifest(
             {"id": sid, "shard": shard_name(i), "position": p, "tokens": n}
             for p, (sid, n) in enumerate(record["samples"])
         ]
+    return indexed_set(out_dir, files, index, cfg, upstream, target)
+
+
+def indexed_set(
+    out_dir: Path, files: list[FileRecord], index: list[dict], cfg: dict, upstream: dict, target: TargetModel
+) -> HiddenStateSet:
+    """Write the index (id -> shard, position, tokens) of the shards `files` and return their manifest
+    (not saved)."""
     index_path = out_dir / INDEX_FILE
     write_text_atomic(index_path, json.dumps({"samples": index}))
-    files.append(FileRecord.of(index_path, out_dir))
     tokens = sum(e["tokens"] for e in index)
-    shard_bytes = sum(f.bytes for f in files[:-1])
+    shard_bytes = sum(f.bytes for f in files)
     return HiddenStateSet(
         root=str(out_dir.resolve()),
-        files=files,
+        files=[*files, FileRecord.of(index_path, out_dir)],
         config=cfg,
         upstream=upstream,
         layer_ids=cfg["layer_ids"],

@@ -23,6 +23,7 @@ import httpx
 from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig, SamplingConfig
 from eagle3_core.events import DECISION, RunEvents
+from eagle3_core.hosts import host_slice, in_slice
 from eagle3_core.phases import SAMPLING
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.sampling.chat_tokens import ChatTokenizer, split_reasoning
@@ -254,18 +255,22 @@ def sample_prompts(
     progress: ProgressCallback = ignore_progress,
     server: VllmServer | ExternalServer | SharedServer | None = None,
 ) -> SampleSet:
-    """Sample every prompt once, resuming from rows already written; see the module docstring. A
-    SharedServer is started only when there is something to sample."""
-    prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
+    """Sample every prompt (of this host's slice, `orchestration.host`) once, resuming from rows already
+    written; see the module docstring. A SharedServer is started only when there is something to sample."""
+    every_prompt = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
+    part = host_slice(config)
+    prompts = [p for p in every_prompt if in_slice(part, p.id)]
     store = SampleStore.of_run(config, target, prompts, events)
     if cached := store.cached():
         return cached
-    kept = store.resume({p.id for p in prompts})
-    work = [(i, p) for i, p in enumerate(prompts) if p.id not in kept]
+    wanted = {p.id for p in prompts}
+    todo = wanted - store.resume(wanted)
+    # A prompt's index (its request seed) is its place among every prompt, whichever host samples it.
+    work = [(i, p) for i, p in enumerate(every_prompt) if p.id in todo]
     if work:
         preflight_sampling(config, target, store.out_dir, len(work), server is None, events)
         writer = store.writer(config.sampling.rows_per_part)
-        counts = RowProgress(progress, len(kept), len(prompts))
+        counts = RowProgress(progress, len(wanted) - len(todo), len(prompts))
         try:
             if server is None:
                 with open_server(config.server, target.root, config.run_dir, events, progress, PHASE) as own:

@@ -8,7 +8,8 @@ folder's run key (target digest, parameters) is compared first.
 
 `SampleStore` is sampling's one resume API: `cached()` (the finished set, reused whole), `resume(wanted)`
 (keep the ok rows, return their ids), `writer()` (new rows as parts), `finish()` (the manifest), and the
-read-only `ok_ids()`.
+read-only `ok_ids()`. A run spread over hosts has one such folder per host's slice (`eagle3_core.hosts`);
+`merge_slices` accounts for their parts in the one SampleSet of `<run_dir>/samples`.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from eagle3_core.artifacts import ArtifactInvalid, SampleSet, TargetModel, recor
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
 from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.hosts import check_each_once, every_slice
 from eagle3_core.phases import SAMPLING, phase_key
 from eagle3_core.run_layout import RunLayout
-from eagle3_core.sampling.prompts import Prompt
+from eagle3_core.sampling.prompts import Prompt, load_prompts
 from eagle3_core.sampling.table import read_part, write_part
 
 KEY_FILE = "run_key.json"
@@ -218,20 +220,13 @@ class SampleStore:
         """Where new rows go: parts numbered after those already in the folder."""
         return PartWriter(self.out_dir, rows_per_part)
 
-    def finish(self, target: TargetModel, prompts: list[Prompt]) -> SampleSet:
-        """Count every row, check that each prompt has exactly one, and save the manifest."""
+    def finish(self, target: TargetModel, prompts: list[Prompt], parts: list[Path] | None = None) -> SampleSet:
+        """Count every row of `parts` (default: the folder's own), check that each prompt has exactly one
+        (`SlicesMismatch` naming the ids otherwise), and save the manifest."""
         out_dir, key = self.out_dir, self.key
-        parts = sorted(out_dir.glob(PART_GLOB))
+        parts = sorted(out_dir.glob(PART_GLOB)) if parts is None else parts
         tally = tally_parts(parts)
-        ids = tally.ids
-        wanted = {p.id for p in prompts}
-        missing, extra = wanted - ids.keys(), ids.keys() - wanted
-        repeated = [i for i, n in ids.items() if n > 1]
-        if missing or extra or repeated:
-            raise RuntimeError(
-                f"samples at {out_dir} do not account for the prompts: {len(missing)} missing, "
-                f"{len(extra)} unknown, {len(repeated)} repeated (e.g. {sorted(missing | extra | set(repeated))[:3]})"
-            )
+        check_each_once((p.id for p in prompts), tally.ids.elements(), f"samples at {out_dir}")
         status = tally.status
         sample_set = SampleSet(
             root=str(out_dir),
@@ -250,3 +245,19 @@ class SampleStore:
         )
         sample_set.save()
         return sample_set
+
+
+def merge_slices(config: PipelineConfig, target: TargetModel, events: RunEvents) -> SampleSet:
+    """The one SampleSet of a run sampled by `orchestration.hosts` hosts: every host's finished slice (of
+    these settings), its parts recorded under `<run_dir>/samples`; each prompt exactly once."""
+    prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
+    store = SampleStore.of_run(config, target, prompts, events)
+    parts: list[Path] = []
+    for part in every_slice(config.orchestration.hosts):
+        folder = part.folder(store.out_dir)
+        mine = [p for p in prompts if part.takes(p.id)]
+        sliced = SampleSet.load_valid(folder)
+        if sliced is None or not key_matches(sliced.config, run_key(config, target, mine)):
+            raise ArtifactInvalid(f"{folder}: host {part.host} of {part.hosts} left no finished sample set")
+        parts += [sliced.path_of(record.path) for record in sliced.files]
+    return store.finish(target, prompts, parts)

@@ -20,6 +20,9 @@ resumes from the last checkpoint).
 - A failed rank fails the task with `RankFailed`: the rank that failed first (torchrun's error records),
   its error, traceback and log tail. The rank's exception is its cause, so the task's retry condition
   judges it as it would in-process (an injected fault or a bad input is not retried).
+- Across hosts (`orchestration.hosts` > 1): every host's child run (`orchestration.host` = its node) starts
+  its agent with `--nnodes N --node-rank i` and the c10d rendezvous on `orchestration.rendezvous_host:port`,
+  its launch folder and pid file its own (`launch/host-<i>-of-<N>/`, `server/training-host-<i>-of-<N>.pid`).
 - Nothing outlives the task: the agent runs in its own process group with the parent-death signal and a
   pid file, `<run_dir>/server/training.pid`, as an engine does (the flow's crash and cancel hooks and the
   next launch stop what it names); each rank arms the same signal against its agent; any exit of the task
@@ -47,7 +50,8 @@ import psutil
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap
 from eagle3_core.config import ConfigError, PipelineConfig, dump_config
 from eagle3_core.events import DECISION, RunEvents
-from eagle3_core.files import write_text_atomic
+from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.hosts import host_slice
 from eagle3_core.preflight import visible_gpus
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
 from eagle3_core.run_layout import RunLayout
@@ -118,16 +122,44 @@ def worker_command(script: Path, config_file: Path, hidden_states: Path, vocab: 
     return [str(script), "train", "-c", str(config_file), "--hidden-states", str(hidden_states), "--vocab", str(vocab)]
 
 
-def torchrun_command(processes: int, log_dir: Path, worker: list[str]) -> list[str]:
-    """PyTorch's launcher on this host: a standalone c10d rendezvous on a free port, `processes` workers,
-    no restarts, every rank's stdout and stderr kept under `log_dir` and teed to the agent's output."""
+@dataclass(frozen=True)
+class Rendezvous:
+    """torchrun's c10d rendezvous of a training spread over hosts: this host is node `node` of `nodes`; the
+    node whose name is the endpoint's hosts the store. `run_id` keeps two runs' nodes apart."""
+
+    nodes: int
+    node: int
+    endpoint: str
+    run_id: str
+
+    @classmethod
+    def of(cls, config: PipelineConfig) -> Rendezvous | None:
+        """This host's part in a training over `orchestration.hosts` hosts (its child run sets
+        `orchestration.host`); None for a training on one host."""
+        part, orchestration = host_slice(config), config.orchestration
+        if part is None:
+            return None
+        endpoint = f"{orchestration.rendezvous_host}:{orchestration.rendezvous_port}"
+        return cls(part.hosts, part.host, endpoint, "eagle3-" + sha256_json(str(Path(config.run_dir).resolve()))[:16])
+
+    def args(self) -> list[str]:
+        return [
+            *("--nnodes", str(self.nodes), "--node-rank", str(self.node)),
+            *("--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id),
+        ]
+
+
+def torchrun_command(
+    processes: int, log_dir: Path, worker: list[str], rendezvous: Rendezvous | None = None
+) -> list[str]:
+    """PyTorch's launcher on this host: `processes` workers of a standalone c10d rendezvous on a free port,
+    or of `rendezvous` across hosts; no restarts, every rank's stdout and stderr kept under `log_dir` and
+    teed to the agent's output."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
-        "--nnodes",
-        "1",
+        *(["--standalone", "--nnodes", "1"] if rendezvous is None else rendezvous.args()),
         "--nproc-per-node",
         str(processes),
         "--max-restarts",
@@ -342,37 +374,45 @@ def launch_training(
     cfg, upstream = phase_config(config), upstream_of(hidden_states, vocab_map, target)
     if (cached := reused_checkpoint(layout.draft.root, cfg, upstream, events)) is not None:
         return cached
-    launch_dir = layout.draft.launch
+    launch_dir = layout.sliced(layout.draft.launch)  # a node's own, when training spans hosts
     launch_dir.mkdir(parents=True, exist_ok=True)
     logs = fresh_logs(launch_dir)
     config_file = launch_dir / CONFIG_FILE
     write_text_atomic(config_file, dump_config(config))
     (launch_dir / PROGRESS_FILE).unlink(missing_ok=True)
     worker = worker_command(eagle3_script(), config_file, hidden_states.root_path, vocab_map.root_path)
-    command = torchrun_command(processes, logs, worker)
+    rendezvous = Rendezvous.of(config)
+    command = torchrun_command(processes, logs, worker, rendezvous)
+    where = "" if rendezvous is None else f" on node {rendezvous.node} of {rendezvous.nodes} ({rendezvous.endpoint})"
     events.record(
         PHASE,
         DECISION,
-        f"training in {processes} processes under torchrun (training.processes={config.training.processes}); "
+        f"training in {processes} processes{where} under torchrun (training.processes={config.training.processes}); "
         f"rank logs in {logs}",
         processes=processes,
         command=command,
     )
     events_tail = LogTail(events.path, offset=events.path.stat().st_size)  # what the ranks add from now on
-    launch = TorchrunLaunch(
-        command, {**os.environ, LAUNCH_ENV: str(launch_dir)}, logs / AGENT_LOG, layout.pid_file(PHASE)
-    )
+    pid_file = layout.pid_file(PHASE if layout.part is None else f"{PHASE}-{layout.part.name}")
+    launch = TorchrunLaunch(command, {**os.environ, LAUNCH_ENV: str(launch_dir)}, logs / AGENT_LOG, pid_file)
     try:
         returncode = follow(launch.start(), LogTail(launch_dir / PROGRESS_FILE), events_tail, progress, log_line)
     finally:
         launch.stop()
     if returncode != 0:
         raise launch_failure(returncode, logs)
-    checkpoint = cached_checkpoint(layout.draft.root, cfg, upstream)
+    return launched_checkpoint(config, hidden_states, vocab_map, target)
+
+
+def launched_checkpoint(
+    config: PipelineConfig, hidden_states: HiddenStateSet, vocab_map: VocabMap, target: TargetModel
+) -> DraftCheckpoint:
+    """The checkpoint a launch that ended well left in `<run_dir>/draft`; `RankFailed` unless it records
+    these inputs and settings."""
+    root = RunLayout.of(config).draft.root
+    checkpoint = cached_checkpoint(root, phase_config(config), upstream_of(hidden_states, vocab_map, target))
     if checkpoint is None:
-        raise RankFailed(
-            f"torchrun ended well, yet {layout.draft.root} holds no checkpoint of the task's inputs and settings"
-        )
+        raise RankFailed(f"torchrun ended well, yet {root} holds no checkpoint of the task's inputs and settings")
     return checkpoint
 
 
@@ -385,9 +425,10 @@ def train_draft_on_host(
     progress: ProgressCallback = ignore_progress,
     log_line: LogCallback = log.info,
 ) -> DraftCheckpoint:
-    """`train_draft` in `training.processes` processes: in this process for one, under torchrun for more."""
+    """`train_draft` in `training.processes` processes: in this process for one, under torchrun for more or
+    when this host is a node of a training over hosts (`orchestration.host`)."""
     tc = config.training
     processes = resolve_processes(tc.processes, tc.device, visible_gpus())
-    if processes == 1:
+    if processes == 1 and host_slice(config) is None:
         return train_draft(config, hidden_states, vocab_map, target, events, progress)
     return launch_training(config, hidden_states, vocab_map, target, processes, events, progress, log_line)

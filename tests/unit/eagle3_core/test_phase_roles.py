@@ -84,7 +84,10 @@ SAMPLES: dict[Any, list[Any]] = {
     Path: [Path("elsewhere")],
 }
 # Fields whose only other values are refused by a validator at the default config, and their base.
-BASES = {"training.sharding": {"training": {"optimizer": "adamw"}}}
+BASES = {
+    "training.sharding": {"training": {"optimizer": "adamw"}},
+    "orchestration.host": {"orchestration": {"hosts": 2}},
+}
 VALUES = {"extraction.layer_ids": [[2, 7, 20]]}  # three ascending ids that fit the target
 
 

@@ -10,9 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from eagle3_core.artifacts import ArtifactInvalid
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, RESUME, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction.hf_backend import HfBackend
+from eagle3_core.extraction.merge import merge_slices
 from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.extraction.reader import HiddenStateDataset
 from eagle3_core.extraction.storage import FP8_MAX_RELATIVE_ERROR
@@ -173,3 +175,41 @@ def test_new_samples_cost_only_the_shards_that_hold_them(tmp_path, smollm2_targe
     assert [e["pending"] for e in events.read() if e["event"] == RESUME] == [["shard-00002.safetensors"]]
     assert [(out / f"shard-0000{i}.safetensors").stat().st_mtime_ns for i in range(2)] == mtimes
     assert hidden.samples == 8
+
+
+def test_hosts_extract_their_slices_and_the_merge_equals_one_host(tmp_path, sample_set, tiny_llama):
+    """Two hosts, each its slice of the samples in a folder of its own; merged, the same samples in the same
+    order with the same states as one host's. A host lost mid-slice: its re-run redoes only its missing
+    shard, and the merge names a slice that is not finished."""
+    whole = extract_hidden_states(make_config(tmp_path / "one"), sample_set, tiny_llama, RunEvents(tmp_path))
+    config = make_config(tmp_path / "two")
+    config.orchestration.hosts = 2
+    events = RunEvents(tmp_path / "two")
+    hosts = [
+        config.model_copy(update={"orchestration": config.orchestration.model_copy(update={"host": h})}) for h in (0, 1)
+    ]
+    for host in hosts:
+        extract_hidden_states(host, sample_set, tiny_llama, events)
+    merged = merge_slices(config, sample_set, tiny_llama, events)
+    assert (merged.config, merged.upstream, merged.samples, merged.tokens) == (
+        whole.config,
+        whole.upstream,
+        whole.samples,
+        whole.tokens,
+    )
+    one, two = HiddenStateDataset(whole, 4096), HiddenStateDataset(merged, 4096)
+    assert two.sample_ids == one.sample_ids
+    for a, b in zip(one, two, strict=True):
+        assert all(torch.equal(a[name], b[name]) for name in ("input_ids", "loss_mask", "aux", "last"))
+
+    lost = tmp_path / "two" / "hidden_states" / "host-1-of-2"
+    (lost / "hidden_state_set.json").unlink()
+    (lost / "shard-00000.safetensors").unlink()
+    kept = {p: p.stat().st_mtime_ns for p in lost.parent.rglob("shard-*.safetensors")}
+    with pytest.raises(ArtifactInvalid, match="host 1 of 2 left no finished hidden states"):
+        merge_slices(config, sample_set, tiny_llama, events)
+    for host in hosts:
+        extract_hidden_states(host, sample_set, tiny_llama, events)
+    assert [e["pending"] for e in events.read() if e["event"] == RESUME] == [["shard-00000.safetensors"]]
+    assert all(p.stat().st_mtime_ns == mtime for p, mtime in kept.items())
+    merge_slices(config, sample_set, tiny_llama, events).validate(deep=True)

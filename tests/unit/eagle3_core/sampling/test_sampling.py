@@ -13,17 +13,21 @@ from typing import ClassVar
 
 import pytest
 
+from eagle3_core.artifacts import ArtifactInvalid, SampleSet
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, RESUME, RunEvents
+from eagle3_core.hosts import every_slice
 from eagle3_core.sampling import phase as sampling
 from eagle3_core.sampling.prompts import PromptFileError
+from eagle3_core.sampling.store import merge_slices
 from eagle3_core.sampling.table import iter_rows, read_part
 from eagle3_core.serving.engine import ExternalServer
 
 
 class ScriptedServer(BaseHTTPRequestHandler):
     """Answers by the user text: FAIL500xN fails N times with 500, FAIL400 always 400, THINK answers with
-    <think> tags, PARSED answers through a reasoning field, DIE drops the connection."""
+    <think> tags, PARSED answers through a reasoning field, SEED answers with the request's seed, DIE drops
+    the connection."""
 
     requests: ClassVar[Counter[str]] = Counter()
 
@@ -57,6 +61,8 @@ class ScriptedServer(BaseHTTPRequestHandler):
             message["content"] = "<think>pondering</think>answer"
         if "PARSED" in text:
             message["reasoning_content"] = "parsed thoughts"
+        if "SEED" in text:
+            message["content"] = f"seed {body['seed']}"
         usage = {"prompt_tokens": 10, "completion_tokens": 5}
         self.reply(200, {"choices": [{"message": message, "finish_reason": "stop"}], "usage": usage})
 
@@ -185,3 +191,56 @@ def test_malformed_prompt_file_fails_before_any_request_and_keeps_rows(tmp_path,
         sampling.sample_prompts(config, smollm2_target, RunEvents(config.run_dir), server=scripted)
     assert sum(ScriptedServer.requests.values()) == before
     assert len(list((config.run_dir / "samples").glob("part-*.parquet"))) == 1
+
+
+def on_host(config: PipelineConfig, host: int) -> PipelineConfig:
+    return config.model_copy(update={"orchestration": config.orchestration.model_copy(update={"host": host})})
+
+
+def test_hosts_sample_their_slices_and_the_merge_equals_one_host(tmp_path, scripted, smollm2_target):
+    texts = [f"SEED {i}" for i in range(12)] + ["FAIL400 broken"]
+    one = make_config(tmp_path / "one", texts)
+    whole = sampling.sample_prompts(one, smollm2_target, RunEvents(one.run_dir), server=scripted)
+    config = make_config(tmp_path / "two", texts)
+    config.orchestration.hosts = 2
+    for part in every_slice(2):
+        sliced = sampling.sample_prompts(
+            on_host(config, part.host), smollm2_target, RunEvents(config.run_dir), server=scripted
+        )
+        assert sliced.root == str(config.run_dir / "samples" / part.name)
+        assert all(part.takes(row["id"]) for row in iter_rows(sliced, status=None))
+    merged = merge_slices(config, smollm2_target, RunEvents(config.run_dir))
+    assert merged.config == whole.config and merged.root == str(config.run_dir / "samples")
+    assert (merged.prompts, merged.ok, merged.error, merged.tokens) == (
+        whole.prompts,
+        whole.ok,
+        whole.error,
+        whole.tokens,
+    )
+    assert merged.errors == whole.errors
+    rows = {row["id"]: row for row in iter_rows(merged, status=None)}
+    assert rows == {row["id"]: row for row in iter_rows(whole, status=None)}
+    assert rows["p5"]["response"] == "seed 5"  # the request seed of a prompt's place among every prompt
+    assert SampleSet.load(config.run_dir / "samples").digest == merged.digest
+
+
+def test_a_merge_names_the_host_whose_slice_is_missing_and_a_rerun_redoes_only_it(tmp_path, scripted, smollm2_target):
+    texts = [f"plain {i}" for i in range(10)]
+    config = make_config(tmp_path, texts, rows_per_part=2)
+    config.orchestration.hosts = 2
+    for host in (0, 1):
+        sampling.sample_prompts(on_host(config, host), smollm2_target, RunEvents(config.run_dir), server=scripted)
+    lost = config.run_dir / "samples" / "host-1-of-2"
+    (lost / "sample_set.json").unlink()
+    parts = sorted(lost.glob("part-*.parquet"))
+    gone = {row["id"] for row in read_part(parts[0])}
+    parts[0].unlink()  # the host was lost mid-slice: one part never written
+    finished = {p: p.stat().st_mtime_ns for p in (config.run_dir / "samples").rglob("part-*.parquet")}
+    with pytest.raises(ArtifactInvalid, match="host-1-of-2: host 1 of 2 left no finished sample set"):
+        merge_slices(config, smollm2_target, RunEvents(config.run_dir))
+    before = Counter(ScriptedServer.requests)
+    for host in (0, 1):
+        sampling.sample_prompts(on_host(config, host), smollm2_target, RunEvents(config.run_dir), server=scripted)
+    assert sorted(ScriptedServer.requests - before) == sorted(texts[int(i[1:])] for i in gone)
+    assert all(p.stat().st_mtime_ns == mtime for p, mtime in finished.items())
+    assert merge_slices(config, smollm2_target, RunEvents(config.run_dir)).ok == 10

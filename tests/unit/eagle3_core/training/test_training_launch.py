@@ -21,6 +21,7 @@ from eagle3_core.training.launch import (
     LAUNCH_ENV,
     PROGRESS_FILE,
     RankFailed,
+    Rendezvous,
     launch_failure,
     launched_rank,
     relay,
@@ -94,6 +95,30 @@ def test_the_launch_is_torchrun_running_eagle3_train(tmp_path: Path) -> None:
         "--redirects": "3",
         "--tee": "3",
     }
+
+
+def test_a_node_of_a_training_over_hosts_joins_the_c10d_rendezvous_on_the_first_host(tmp_path: Path) -> None:
+    assert Rendezvous.of(PipelineConfig(run_dir=tmp_path)) is None
+    overrides = ["orchestration.hosts=2", "orchestration.rendezvous_host=gpu-a", "orchestration.rendezvous_port=29511"]
+    nodes = [load_config(overrides=[*overrides, f"orchestration.host={h}", f"run_dir={tmp_path}"]) for h in (0, 1)]
+    rendezvous = [Rendezvous.of(config) for config in nodes]
+    assert rendezvous[0].run_id == rendezvous[1].run_id  # one rendezvous for the run's nodes
+    command = torchrun_command(4, tmp_path / "logs", ["eagle3", "train"], rendezvous[1])
+    assert "--standalone" not in command
+    options = command[3:-2]
+    pairs = dict(zip(options[::2], options[1::2], strict=True))
+    assert {
+        k: pairs[k] for k in ("--nnodes", "--node-rank", "--rdzv-backend", "--rdzv-endpoint", "--nproc-per-node")
+    } == {
+        "--nnodes": "2",
+        "--node-rank": "1",
+        "--rdzv-backend": "c10d",
+        "--rdzv-endpoint": "gpu-a:29511",
+        "--nproc-per-node": "4",
+    }
+    assert pairs["--rdzv-id"] == rendezvous[1].run_id
+    other_run = Rendezvous.of(nodes[0].model_copy(update={"run_dir": tmp_path / "other"}))
+    assert other_run.run_id != rendezvous[0].run_id
 
 
 def test_a_rank_outside_a_launch_keeps_its_own_progress(monkeypatch) -> None:
