@@ -114,7 +114,8 @@ class RunLayout:
         return self.root / "server"
 
     def pid_file(self, phase: str) -> Path:
-        return self.server / f"{phase}.pid"
+        """`<phase>.pid`; a host's slice has its own (`<phase>-host-<i>-of-<N>.pid`), as hosts share the folder."""
+        return self.server / (f"{phase}.pid" if self.part is None else f"{phase}-{self.part.name}.pid")
 
     def pid_files(self) -> list[Path]:
         """Every engine's pid file, and the training launch's torchrun agent (`training.pid`)."""

@@ -393,8 +393,9 @@ def launch_training(
         command=command,
     )
     events_tail = LogTail(events.path, offset=events.path.stat().st_size)  # what the ranks add from now on
-    pid_file = layout.pid_file(PHASE if layout.part is None else f"{PHASE}-{layout.part.name}")
-    launch = TorchrunLaunch(command, {**os.environ, LAUNCH_ENV: str(launch_dir)}, logs / AGENT_LOG, pid_file)
+    launch = TorchrunLaunch(
+        command, {**os.environ, LAUNCH_ENV: str(launch_dir)}, logs / AGENT_LOG, layout.pid_file(PHASE)
+    )
     try:
         returncode = follow(launch.start(), LogTail(launch_dir / PROGRESS_FILE), events_tail, progress, log_line)
     finally:

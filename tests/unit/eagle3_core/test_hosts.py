@@ -67,3 +67,5 @@ def test_a_slice_writes_folders_of_its_own_and_shares_the_rest(tmp_path: Path):
     assert part.hidden_states == whole.hidden_states / "host-1-of-2"
     assert part.incoming_states == part.hidden_states / "incoming"
     assert (part.draft, part.vocab, part.server) == (whole.draft, whole.vocab, whole.server)
+    # the hosts share server/: a node's training agent has a pid file of its own there
+    assert part.pid_file("training") == whole.server / "training-host-1-of-2.pid" != whole.pid_file("training")
