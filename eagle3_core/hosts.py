@@ -13,6 +13,7 @@ so no two hosts ever write one file; another `N` is another set of folders.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from pathlib import Path
 from eagle3_core.config import PipelineConfig
 
 EXAMPLES = 5  # ids named in an accounting error, of each kind
+SLICE_SUFFIX = re.compile(r"-host-(?P<host>\d+)-of-(?P<hosts>\d+)$")
 
 
 class SlicesMismatch(RuntimeError):
@@ -59,6 +61,14 @@ def host_slice(config: PipelineConfig) -> HostSlice | None:
     """The slice this process works on (`orchestration.host` of `hosts`), None for every id."""
     orchestration = config.orchestration
     return None if orchestration.host is None else HostSlice(orchestration.host, orchestration.hosts)
+
+
+def slice_named(name: str) -> HostSlice | None:
+    """The slice a file name's stem ends with (`training-host-1-of-2` -> host 1 of 2), None if it names none."""
+    match = SLICE_SUFFIX.search(name)
+    if match is None or int(match["host"]) >= int(match["hosts"]):
+        return None
+    return HostSlice(int(match["host"]), int(match["hosts"]))
 
 
 def in_slice(part: HostSlice | None, item_id: str) -> bool:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_core.config import PipelineConfig
-from eagle3_core.hosts import HostSlice, host_slice
+from eagle3_core.hosts import HostSlice, host_slice, slice_named
 
 EXPORT = "export"
 STATE = "state"
@@ -110,16 +110,22 @@ class RunLayout:
 
     @property
     def server(self) -> Path:
-        """Engine pid files and logs, one of each per phase."""
+        """Engine pid files and logs, one of each per phase (and per host's slice)."""
         return self.root / "server"
 
+    def engine_file(self, phase: str, suffix: str) -> Path:
+        """`<phase><suffix>` in `server/` (`.pid`, `.log`, `.previous.log`); a host's slice has its own,
+        `<phase>-host-<i>-of-<N><suffix>`, as the hosts share the folder."""
+        return self.server / (f"{phase}{suffix}" if self.part is None else f"{phase}-{self.part.name}{suffix}")
+
     def pid_file(self, phase: str) -> Path:
-        """`<phase>.pid`; a host's slice has its own (`<phase>-host-<i>-of-<N>.pid`), as hosts share the folder."""
-        return self.server / (f"{phase}.pid" if self.part is None else f"{phase}-{self.part.name}.pid")
+        return self.engine_file(phase, ".pid")
 
     def pid_files(self) -> list[Path]:
-        """Every engine's pid file, and the training launch's torchrun agent (`training.pid`)."""
-        return sorted(self.server.glob("*.pid"))
+        """The pid files of this layout's engines and training agent (`training.pid`): a slice's own, or
+        without a slice those of no slice. Never another slice's: its engine may run on another host, or
+        beside this one (two workers on one host), and is that slice's to stop."""
+        return sorted(p for p in self.server.glob("*.pid") if slice_named(p.stem) == self.part)
 
     @property
     def prefect_results(self) -> Path:

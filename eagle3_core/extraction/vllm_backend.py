@@ -32,6 +32,7 @@ from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.extraction.connector import CONNECTOR_NAME, EXTRACT_REQUEST
 from eagle3_core.extraction.layout import resolve_layer_ids
 from eagle3_core.extraction.storage import SampleRow, SampleStates, ShardError
+from eagle3_core.hosts import host_slice
 from eagle3_core.phases import EXTRACTION
 from eagle3_core.progress import ProgressCallback
 from eagle3_core.run_layout import RunLayout
@@ -190,7 +191,8 @@ def open_vllm_backend(
         events.record(PHASE, DECISION, f"extraction server context widened to {max_tokens + 1} tokens "
                       "to hold the longest sample", max_model_len=max_tokens + 1)  # fmt: skip
     args = extraction_args(layer_ids, target.num_layers, incoming.resolve())
-    with VllmServer(server_config, target.root_path, config.run_dir, events, progress, args, PHASE) as running:
+    part = host_slice(config)
+    with VllmServer(server_config, target.root_path, config.run_dir, events, progress, args, PHASE, part) as running:
         backend = VllmBackend(running.base_url, running.api_key, in_flight, timeout_s, running.exit_report)
         try:
             yield backend
@@ -216,11 +218,12 @@ def shared_server(
 
     incoming = RunLayout.of(config).incoming_states
     args = extraction_args(resolve_layer_ids(config, target), target.num_layers, incoming.resolve())
+    part = host_slice(config)
 
     def launch(phase: str, progress: ProgressCallback, context: int) -> VllmServer:
         shutil.rmtree(incoming, ignore_errors=True)
         incoming.mkdir(parents=True)
         server_config = config.server.model_copy(update={"max_model_len": context})
-        return VllmServer(server_config, target.root_path, config.run_dir, events, progress, args, phase).start()
+        return VllmServer(server_config, target.root_path, config.run_dir, events, progress, args, phase, part).start()
 
     return SharedServer(launch, config.server.max_model_len + CONTEXT_MARGIN, events, hold)

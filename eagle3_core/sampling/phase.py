@@ -273,7 +273,7 @@ def sample_prompts(
         counts = RowProgress(progress, len(wanted) - len(todo), len(prompts))
         try:
             if server is None:
-                with open_server(config.server, target.root, config.run_dir, events, progress, PHASE) as own:
+                with open_server(config.server, target.root, config.run_dir, events, progress, PHASE, part) as own:
                     sample_with(own, config, target, work, writer, counts, events)
             else:
                 sample_with(running_server(server, PHASE, progress), config, target, work, writer, counts, events)

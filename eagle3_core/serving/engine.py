@@ -9,7 +9,6 @@ GPUs the stop waits until the memory is released, so the next phase's engine can
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -29,8 +28,8 @@ import psutil
 from eagle3_core.config import ServerConfig
 from eagle3_core.dtypes import resolve_dtype
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
-from eagle3_core.files import write_text_atomic
 from eagle3_core.gpus import has_cuda_gpus
+from eagle3_core.hosts import HostSlice
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.serving.parent_death import die_with_parent
@@ -40,6 +39,7 @@ from eagle3_core.serving.processes import (
     kill_tree,
     stop_server,
     wait_gpu_release,
+    write_pid_file,
 )
 
 __all__ = [
@@ -300,7 +300,9 @@ class VllmServer:
     """A vLLM OpenAI server this process starts and stops. `with VllmServer(...) as server:` stops it on
     any exit; the pid file `<run_dir>/server/<phase>.pid` lets the next start stop it after a crash.
     `phase` is the caller's label for the pid file, the log and the events lines (this layer knows no
-    phase: "engine" when not given)."""
+    phase: "engine" when not given). `part`, a host's slice of a run spread over hosts, gives the engine
+    its own pid file and log (`<phase>-host-<i>-of-<N>.pid`), and its start stops only that slice's
+    leftovers: the hosts share `server/`."""
 
     def __init__(
         self,
@@ -311,18 +313,19 @@ class VllmServer:
         progress: ProgressCallback = ignore_progress,
         extra_args: list[str] | None = None,
         phase: str = "engine",
+        part: HostSlice | None = None,
     ):
         self.config = config
         self.model_dir = Path(model_dir)
-        self.layout = RunLayout(Path(run_dir))
+        self.layout = RunLayout(Path(run_dir), part)
         self.server_dir = self.layout.server
         self.events = events
         self.progress = progress
         self.extra_args = list(extra_args or [])
         self.phase = phase
         self.pid_file = self.layout.pid_file(phase)
-        self.log_path = self.server_dir / f"{phase}.log"
-        self.previous_log_path = self.server_dir / f"{phase}.previous.log"
+        self.log_path = self.layout.engine_file(phase, ".log")
+        self.previous_log_path = self.layout.engine_file(phase, ".previous.log")
         self.api_key = api_key_of(config)
         self.port = config.port
         self.process: subprocess.Popen[bytes] | None = None
@@ -352,19 +355,7 @@ class VllmServer:
                 start_new_session=True,
                 preexec_fn=die_with_parent(signal.SIGTERM),  # not orphaned if this process is killed
             )
-        self.started = psutil.Process(self.process.pid).create_time()
-        write_text_atomic(
-            self.pid_file,
-            json.dumps(
-                {
-                    "pid": self.process.pid,
-                    "pgid": self.process.pid,
-                    "started": self.started,
-                    "port": self.port,
-                    "command": command,
-                }
-            ),
-        )
+        self.started = write_pid_file(self.pid_file, self.process.pid, port=self.port, command=command)
         self.events.record(
             self.phase,
             ENGINE_START,
@@ -478,7 +469,8 @@ class VllmServer:
         )
 
     def stop_stale(self) -> None:
-        """Stop every server a crashed run of this run directory left behind (found by pid file)."""
+        """Stop every server a crashed run of this run directory (of this slice) left behind on this host
+        (found by pid file)."""
         for pid_file in self.layout.pid_files():
             stopped = stop_server(pid_file, self.config.stop_grace_s, self.config.gpu_release_timeout_s)
             if stopped:
@@ -506,11 +498,12 @@ def open_server(
     events: RunEvents,
     progress: ProgressCallback,
     phase: str,
+    part: HostSlice | None = None,
 ) -> VllmServer | ExternalServer:
     """The server `config.server.engine` asks for, not yet started: use it as a context manager. `phase`
-    labels a started server's pid file, log and events lines."""
+    (and `part`, a host's slice) labels a started server's pid file, log and events lines."""
     if config.engine == "external":
         if not config.url:
             raise ServerError("server.engine is 'external' but server.url is not set")
         return ExternalServer(config.url, api_key_of(config))
-    return VllmServer(config, model_dir, run_dir, events, progress, phase=phase)
+    return VllmServer(config, model_dir, run_dir, events, progress, phase=phase, part=part)

@@ -1,7 +1,9 @@
 """The processes of a started server: find the whole tree (workers included, even orphaned ones), stop
 it (SIGTERM to the process group, SIGKILL after a grace period, verify none survives) and, on CUDA GPUs,
 wait until its memory is released so the next phase's engine can load. `stop_server(pid_file)` is what
-crash and cancel hooks call."""
+crash and cancel hooks call. A pid file names the host its process runs on: hosts share the run directory,
+and a pid means nothing on another host (nor in another container's pid namespace), so a pid file of
+another host is left alone."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
+from eagle3_core.files import write_text_atomic
 from eagle3_core.gpus import gpu_compute_apps
 
 POLL_S = 0.5
@@ -97,13 +101,25 @@ def signal_group(pgid: int, sig: signal.Signals, procs: list[psutil.Process]) ->
             continue
 
 
+def write_pid_file(pid_file: Path, pid: int, **details: object) -> float:
+    """Record a process started in a session of its own (its pid is its group's): pid, start time, this
+    host's name and `details`. Returns the start time (what `kill_tree` tells impostors by)."""
+    started = psutil.Process(pid).create_time()
+    record = {"pid": pid, "pgid": pid, "started": started, "host": socket.gethostname(), **details}
+    write_text_atomic(pid_file, json.dumps(record))
+    return started
+
+
 def stop_server(pid_file: Path, grace_s: float = 30, gpu_release_timeout_s: float = 120) -> set[int]:
     """Stop the server a pid file names (crash and cancel hooks use this) and remove the file.
-    Returns the pids that were stopped (empty when it was already gone)."""
+    Returns the pids that were stopped (empty when it was already gone, or runs on another host: that
+    file is left to its host)."""
     pid_file = Path(pid_file)
     if not pid_file.exists():
         return set()
     info = json.loads(pid_file.read_text())
+    if info.get("host", socket.gethostname()) != socket.gethostname():
+        return set()
     pids, _ = kill_tree(info["pid"], info["pgid"], info["started"], grace_s)
     if pids:
         wait_gpu_release(pids, gpu_release_timeout_s)

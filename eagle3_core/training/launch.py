@@ -45,8 +45,6 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap
 from eagle3_core.config import ConfigError, PipelineConfig, dump_config
 from eagle3_core.events import DECISION, RunEvents
@@ -57,7 +55,7 @@ from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progre
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.serving.engine import LogTail, exit_description, log_excerpt
 from eagle3_core.serving.parent_death import die_with_launcher, die_with_parent
-from eagle3_core.serving.processes import POLL_S, stop_server
+from eagle3_core.serving.processes import POLL_S, stop_server, write_pid_file
 from eagle3_core.training.phase import (
     PHASE,
     cached_checkpoint,
@@ -310,10 +308,7 @@ class TorchrunLaunch:
                 start_new_session=True,
                 preexec_fn=die_with_parent(signal.SIGTERM),  # not orphaned if the task's process is killed
             )
-        pid = self.process.pid
-        started = psutil.Process(pid).create_time()
-        record = {"pid": pid, "pgid": pid, "started": started, "command": self.command}
-        write_text_atomic(self.pid_file, json.dumps(record))
+        write_pid_file(self.pid_file, self.process.pid, command=self.command)
         return self.process
 
     def stop(self) -> None:

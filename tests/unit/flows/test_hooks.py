@@ -13,7 +13,10 @@ from types import SimpleNamespace
 import psutil
 
 from eagle3_core.config import PipelineConfig
+from eagle3_core.run_layout import RunLayout
+from eagle3_core.serving.processes import write_pid_file
 from flows.hooks import stop_engines
+from tasks.hosts import on_host
 
 PARENT_WITH_CHILD = (
     "import subprocess, sys, time; "
@@ -40,3 +43,48 @@ def test_crash_hook_stops_the_engine_named_by_the_pid_file(tmp_path: Path):
     finally:
         if engine.poll() is None:
             engine.kill()
+
+
+def sleeper(pid_file: Path, host: str | None = None) -> subprocess.Popen:
+    """A process in a session of its own, recorded in `pid_file` as an engine records itself (by another
+    host's name when `host` is given)."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    write_pid_file(pid_file, process.pid)
+    if host is not None:
+        pid_file.write_text(json.dumps({**json.loads(pid_file.read_text()), "host": host}))
+    return process
+
+
+def crash(config: PipelineConfig) -> None:
+    stop_engines(
+        None, SimpleNamespace(parameters={"config": config.model_dump(mode="json")}), SimpleNamespace(name="Crashed")
+    )
+
+
+def test_a_hosts_crash_hook_stops_its_slices_engines_only(tmp_path: Path):
+    """Hosts share `<run_dir>/server/`: the crash hook of host 0's child run stops host 0's engine and leaves
+    host 1's (and its pid file) alone; the parent run's hook (no slice) stops neither; and a pid file written
+    on another host is never acted on here, as its pid names another machine's process."""
+    config = PipelineConfig(run_dir=tmp_path / "run", orchestration={"hosts": 2})
+    host0, host1 = (RunLayout.of(on_host(config, i)) for i in (0, 1))
+    elsewhere = RunLayout(config.run_dir).pid_file("evaluation")
+    engines = [
+        sleeper(host0.pid_file("sampling")),
+        sleeper(host1.pid_file("sampling")),
+        sleeper(elsewhere, "gpu-host-9"),
+    ]
+    try:
+        crash(config)  # the parent's hook
+        assert all(engine.poll() is None for engine in engines[:2])
+        crash(on_host(config, 0))
+        assert engines[0].wait(timeout=30) is not None and not host0.pid_file("sampling").exists()
+        assert engines[1].poll() is None and host1.pid_files() == [host1.pid_file("sampling")]
+        crash(config)
+        assert engines[2].poll() is None and elsewhere.exists()
+        crash(on_host(config, 1))
+        assert engines[1].wait(timeout=30) is not None and host1.pid_files() == []
+    finally:
+        for engine in engines:
+            if engine.poll() is None:
+                engine.kill()

@@ -18,6 +18,7 @@ import pytest
 
 from eagle3_core.config import ServerConfig
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
+from eagle3_core.hosts import HostSlice
 from eagle3_core.progress import ProgressUpdate
 from eagle3_core.serving import engine as serving
 from eagle3_core.serving import processes as server_processes
@@ -212,3 +213,29 @@ def test_external_server_starts_and_stops_nothing(monkeypatch):
     server = serving.ExternalServer("http://10.0.0.5:8000/v1/", "key")
     with server as same:
         assert same.base_url == "http://10.0.0.5:8000" and same.api_key == "key"
+
+
+def test_each_hosts_slice_has_its_own_engine_files_and_its_restart_stops_only_its_own(tmp_path, fake_engine):
+    """Two hosts' slices sampling into one run directory: each engine has its own pid file and log, and the
+    stale-engine cleanup at the start of host 0's next engine stops host 0's leftover, not host 1's engine."""
+    events = RunEvents(tmp_path)
+    config = fake_engine()
+    host0, host1 = (
+        serving.VllmServer(config, "model", tmp_path, events, phase="sampling", part=HostSlice(i, 2)) for i in (0, 1)
+    )
+    host0.start()
+    try:
+        host1.start()
+        assert {host0.pid_file.name, host1.pid_file.name} == {"sampling-host-0-of-2.pid", "sampling-host-1-of-2.pid"}
+        assert host0.log_path != host1.log_path and host0.log_path.exists() and host1.log_path.exists()
+        assert json.loads(host1.pid_file.read_text())["pid"] == host1.process.pid
+        stale = psutil.Process(host0.process.pid)
+        host0.process = None  # host 0's run died without stopping it
+        with serving.VllmServer(config, "model", tmp_path, events, phase="extraction", part=HostSlice(0, 2)):
+            assert gone(stale.pid)
+            assert host1.process.poll() is None and host1.healthy() and host1.pid_file.exists()
+        assert [p.name for p in (tmp_path / "server").glob("*.pid")] == [host1.pid_file.name]
+    finally:
+        host1.stop()
+        host0.stop()
+        serving.stop_server(host0.pid_file, grace_s=5)  # a leftover the test did not get to stop
