@@ -14,6 +14,8 @@ Points:
 - `kill-engine-core@<unit>=<n>`: the same, once per process, but SIGKILL only the server's child processes
   (the engine core and its workers), as the kernel's OOM killer would: the API server answers 5xx for a
   moment, then exits by itself.
+- `kill-process@<unit>=<n>`: at that same point, SIGKILL this very process (the phase's own, e.g. a host's
+  child flow run): no `finally`, no hook runs, as the OOM killer or a lost host would end it.
 
 Unset (the default), every check is a no-op.
 """
@@ -32,6 +34,7 @@ ENV = "EAGLE3_FAULT"
 KILL_ENGINE = "kill-engine"
 KILL_ENGINE_ALWAYS = "kill-engine-always"
 KILL_ENGINE_CORE = "kill-engine-core"
+KILL_PROCESS = "kill-process"
 ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
 # Engine kills that fire once per process and already fired, by their EAGLE3_FAULT entry.
 fired_kills: set[str] = set()
@@ -66,18 +69,27 @@ class EngineKill:
     count: float
     always: bool
     core_only: bool
+    whole_process: bool = False  # `kill-process@`: this process itself, not its engines
 
     def due(self, update: ProgressUpdate) -> bool:
         return update.done >= self.count and self.unit in (update.unit, update.stage)
 
 
 def parse_engine_kill(phase: str, point: str) -> EngineKill | None:
-    """`kill-engine@requests=8` -> its EngineKill; any other point -> None."""
+    """`kill-engine@requests=8` (or `kill-process@...`) -> its EngineKill; any other point -> None."""
     action, sep, threshold = point.partition("@")
     unit, _, count = threshold.partition("=")
-    if not sep or action not in (KILL_ENGINE, KILL_ENGINE_ALWAYS, KILL_ENGINE_CORE) or not unit or not count:
+    actions = (KILL_ENGINE, KILL_ENGINE_ALWAYS, KILL_ENGINE_CORE, KILL_PROCESS)
+    if not sep or action not in actions or not unit or not count:
         return None
-    return EngineKill(f"{phase}:{point}", unit, float(count), action == KILL_ENGINE_ALWAYS, action == KILL_ENGINE_CORE)
+    return EngineKill(
+        f"{phase}:{point}",
+        unit,
+        float(count),
+        action == KILL_ENGINE_ALWAYS,
+        action == KILL_ENGINE_CORE,
+        action == KILL_PROCESS,
+    )
 
 
 def kill_engines(core_only: bool = False) -> list[int]:
@@ -104,7 +116,7 @@ def kill_engines(core_only: bool = False) -> list[int]:
 
 def faulting_progress(phase: str, callback: ProgressCallback) -> ProgressCallback:
     """Wrap a progress callback so a `<unit>=<n>` fault fires inside the phase, mid-work, and a
-    `kill-engine@<unit>=<n>` point kills the phase's engine there."""
+    `kill-engine@<unit>=<n>` point kills the phase's engine there (`kill-process@`: the phase's process)."""
     thresholds = {}
     kills = []
     for point in active_faults(phase):
@@ -124,6 +136,8 @@ def faulting_progress(phase: str, callback: ProgressCallback) -> ProgressCallbac
             done_before = fired_here if kill.always else fired_kills
             if kill.due(update) and kill.entry not in done_before:
                 done_before.add(kill.entry)
+                if kill.whole_process:
+                    os.kill(os.getpid(), signal.SIGKILL)
                 kill_engines(kill.core_only)
         for unit in (update.unit, update.stage):
             if unit in thresholds and update.done >= thresholds[unit]:

@@ -53,6 +53,8 @@ def test_kill_points_are_parsed():
     assert (kill.entry, kill.unit, kill.count, kill.always) == ("sampling:kill-engine@requests=8", "requests", 8, False)
     assert parse_engine_kill("extraction", "kill-engine-always@samples=4").always
     assert parse_engine_kill("extraction", "kill-engine-core@samples=4").core_only
+    assert parse_engine_kill("extraction", "kill-process@samples=4").whole_process
+    assert not parse_engine_kill("extraction", "kill-engine@samples=4").whole_process
     assert parse_engine_kill("sampling", "requests=8") is None
     assert parse_engine_kill("sampling", "kill-engine@requests") is None
 
