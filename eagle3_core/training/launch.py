@@ -23,6 +23,9 @@ resumes from the last checkpoint).
 - Across hosts (`orchestration.hosts` > 1): every host's child run (`orchestration.host` = its node) starts
   its agent with `--nnodes N --node-rank i` and the c10d rendezvous on `orchestration.rendezvous_host:port`,
   its launch folder and pid file its own (`launch/host-<i>-of-<N>/`, `server/training-host-<i>-of-<N>.pid`).
+  Every rank runs with `OMP_NUM_THREADS=1` unless it is set (torchrun's own default for more than one
+  process a node, also where a node has one), so the layout of nodes does not change the draft
+  (`rank_env`).
 - Nothing outlives the task: the agent runs in its own process group with the parent-death signal and a
   pid file, `<run_dir>/server/training.pid`, as an engine does (the flow's crash and cancel hooks and the
   next launch stop what it names); each rank arms the same signal against its agent; any exit of the task
@@ -354,6 +357,15 @@ def fresh_logs(launch_dir: Path) -> Path:
     return logs
 
 
+def rank_env(launch_dir: Path) -> dict[str, str]:
+    """The agent's (and so the ranks') environment: this process's, the launch folder, and `OMP_NUM_THREADS`
+    1 unless set. torchrun itself sets 1 only for more than one process a node, so a node of one process
+    would train on every core, and a CPU's matmul split over another thread count rounds differently: a
+    2-node training of one process each would end with another loss than one node of two (10.2550001 vs
+    10.2550097 in the test). The same thread count whatever the nodes makes them equal bit for bit."""
+    return {**os.environ, LAUNCH_ENV: str(launch_dir), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
 def launch_training(
     config: PipelineConfig,
     hidden_states: HiddenStateSet,
@@ -388,9 +400,7 @@ def launch_training(
         command=command,
     )
     events_tail = LogTail(events.path, offset=events.path.stat().st_size)  # what the ranks add from now on
-    launch = TorchrunLaunch(
-        command, {**os.environ, LAUNCH_ENV: str(launch_dir)}, logs / AGENT_LOG, layout.pid_file(PHASE)
-    )
+    launch = TorchrunLaunch(command, rank_env(launch_dir), logs / AGENT_LOG, layout.pid_file(PHASE))
     try:
         returncode = follow(launch.start(), LogTail(launch_dir / PROGRESS_FILE), events_tail, progress, log_line)
     finally:

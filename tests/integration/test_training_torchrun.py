@@ -3,7 +3,7 @@ gloo ranks of `eagle3 train` (tiny random Llama, tiny hf-extracted states), and
 
 - both ranks train one draft: world 2, a log folder per rank, rank 0's progress relayed to the task;
 - the draft is the one `torchrun --nproc-per-node 2 eagle3 train` trains by hand on the same data (same
-  loss, same weights);
+  loss, same weights), and so is the one two nodes of one process each train (`--nnodes 2`, c10d rendezvous);
 - a rank that fails fails the training with its error, traceback and log tail, and leaves nothing running;
 - SIGKILL of the flow process mid-training leaves no rank or agent alive, and the next run resumes at the
   last checkpoint."""
@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,9 +34,11 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RESUME, RunEvents
 from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.run_layout import EXPORT, RunLayout
+from eagle3_core.serving.engine import free_port
 from eagle3_core.target.prepare import prepare_target
 from eagle3_core.training.launch import LOGS_DIR, RankFailed, train_draft_on_host
 from eagle3_core.vocab import build_vocab_map
+from tasks.hosts import on_host
 from tasks.policy import is_deterministic
 from tests.helpers.extraction_fixtures import build_sample_set
 
@@ -185,3 +188,39 @@ def test_a_killed_flow_leaves_no_rank_and_the_next_run_resumes_at_the_checkpoint
     assert state.result().step == max_steps
     resumed = [e for e in RunEvents(config.run_dir).read() if e["event"] == RESUME and e["ts"] >= started]
     assert [e["step"] for e in resumed] == [step], "resumed at the last checkpoint before the kill"
+
+
+def test_two_nodes_of_one_process_train_what_one_node_of_two_does(data: Data) -> None:
+    """A training over `orchestration.hosts: 2` hosts, each node one gloo rank, both nodes on 127.0.0.1: each
+    node's `train_draft_on_host` (what its host's child run calls) starts torchrun with `--nnodes 2
+    --node-rank i --rdzv-backend c10d` on the first host's rendezvous port. The draft equals the one a single
+    node of two processes trains on the same data: the same loss and weights, bit for bit. They differed
+    (10.2550001 vs 10.2550097 here) while a node of one process trained on every core, torchrun setting
+    OMP_NUM_THREADS=1 only for more than one process a node: not gloo's all-reduce (a sum of two is
+    commutative), not the data order or the rank assignment (a rank's data depends on its global rank
+    alone), but the thread count of the CPU matmuls; the launch now gives every rank 1 (`rank_env`)."""
+    one_node = data.config("one-node")
+    reference = train_draft_on_host(one_node, data.hidden, data.vocab, data.target, RunEvents(one_node.run_dir))
+
+    config = data.config("two-nodes", processes=1)
+    config = config.model_copy(
+        update={
+            "orchestration": config.orchestration.model_copy(
+                update={"hosts": 2, "rendezvous_host": "127.0.0.1", "rendezvous_port": free_port()}
+            )
+        }
+    )
+    with ThreadPoolExecutor(2) as nodes:
+        runs = [
+            nodes.submit(train_draft_on_host, node, data.hidden, data.vocab, data.target, RunEvents(node.run_dir))
+            for node in (on_host(config, 0), on_host(config, 1))
+        ]
+        checkpoints = [run.result(timeout=300) for run in runs]
+    assert [c.digest for c in checkpoints] == [checkpoints[0].digest] * 2, "both nodes return the one checkpoint"
+    launched = [e for e in RunEvents(config.run_dir).read() if "under torchrun" in e["message"]]
+    assert sorted(e["message"].split(" on node ")[1][:11] for e in launched) == ["0 of 2 (127", "1 of 2 (127"]
+    assert [e["world"] for e in RunEvents(config.run_dir).read() if e["message"].startswith("training on ")] == [2]
+    assert checkpoints[0].step == reference.step == TRAINING["max_steps"]
+    assert checkpoints[0].metrics["loss"] == reference.metrics["loss"]
+    ours, theirs = weights(checkpoints[0]), weights(reference)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
