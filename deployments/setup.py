@@ -15,7 +15,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.exceptions import ObjectAlreadyExists
 
-from tasks.gpu import ensure_concurrency_limit
+from tasks.gpu_slot import ensure_concurrency_limit
 
 REPO = Path(__file__).resolve().parents[1]
 WORK_POOL = "gpu"

@@ -29,8 +29,8 @@ from prefect.settings import get_current_settings
 
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.files import write_text_atomic
-from eagle3_core.serving.holders import ProcessIdentity
 from eagle3_core.serving.parent_death import die_with_parent
+from tasks.gpu_slot import ProcessIdentity
 
 PHASE = "orchestration"
 APP = "prefect.server.api.server:create_app"

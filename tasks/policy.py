@@ -34,7 +34,7 @@ from eagle3_core.preflight import PreflightError
 from eagle3_core.progress import ProgressCallback
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.serving.engine import EngineDied
-from tasks.gpu import phase_slot
+from tasks.gpu_slot import phase_slot
 from tasks.progress import PrefectProgress
 from tasks.secrets import export_api_key
 

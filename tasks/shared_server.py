@@ -14,7 +14,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.sampling.reuse_decision import resolve_reuse
 from eagle3_core.serving.shared import SharedServer
-from tasks.gpu import gpu_slot
+from tasks.gpu_slot import gpu_slot
 
 
 @contextmanager

@@ -130,9 +130,15 @@ def prepare_target(config: TargetConfig, events: RunEvents) -> TargetModel:
         return target
     gguf = embedded_gguf(config.model)
     sha = sha256_file(gguf)
-    out_dir = Path(config.cache_dir).expanduser() / f"{config.model}-{config.dtype}-{sha[:16]}"
+    out_dir = converted_dir(config, sha)
     with conversion_lock(out_dir):
         return converted_target(config, gguf, sha, out_dir, events)
+
+
+def converted_dir(config: TargetConfig, sha: str) -> Path:
+    """Where the embedded target converted from the GGUF of digest `sha` is kept: a folder is reused only by
+    the same GGUF, at the same weight dtype."""
+    return Path(config.cache_dir).expanduser() / f"{config.model}-{config.dtype}-{sha[:16]}"
 
 
 def converted_target(config: TargetConfig, gguf: Path, sha: str, out_dir: Path, events: RunEvents) -> TargetModel:

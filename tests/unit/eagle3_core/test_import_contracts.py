@@ -36,6 +36,8 @@ def test_the_contracts_hold() -> None:
         ("eagle3_core/serving/engine.py", "from eagle3_core.sampling import store", "serving (the engines)"),
         ("eagle3_core/preflight.py", "from eagle3_core.draft import shape", "the shared preflight knows no phase"),
         ("eagle3_core/sampling/table.py", "from eagle3_core.sampling import phase", "no import loops"),
+        ("tasks/gpu_slot/records.py", "from prefect.settings import get_current_settings", "holder records are pure"),
+        ("tasks/gpu_slot/records.py", "from tasks.gpu_slot import leases", "no import loops"),
     ],
 )
 def test_a_violation_fails(tmp_path: Path, module: str, line: str, broken: str) -> None:

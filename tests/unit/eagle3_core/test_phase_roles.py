@@ -13,22 +13,16 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import CONTENT, EVERY_PHASE, INPUT, OPERATIONAL, VERDICT, VLLM, PipelineConfig
 from eagle3_core.dtypes import with_resolved_dtypes
-from eagle3_core.evaluation.phase import measurement_keys, verdict_fields
-from eagle3_core.evaluation.prompts import EvalPrompt
-from eagle3_core.extraction.phase import phase_config as extraction_key
 from eagle3_core.phases import PHASES, config_fields, field_roles, marked_roles
-from eagle3_core.sampling.store import run_key
-from eagle3_core.training.phase import phase_config as training_key
-from eagle3_core.vocab import phase_config as vocab_key
 from tasks.evaluation import POLICY as EVALUATION_POLICY
 from tasks.extraction import POLICY as EXTRACTION_POLICY
 from tasks.sampling import POLICY as SAMPLING_POLICY
 from tasks.target import POLICY as TARGET_POLICY
 from tasks.training import POLICY as TRAINING_POLICY
 from tasks.vocab import POLICY as VOCAB_POLICY
+from tests.helpers.phase_keys import core_key
 
 POLICIES = {
     "prepare_target": TARGET_POLICY,
@@ -38,38 +32,6 @@ POLICIES = {
     "training": TRAINING_POLICY,
     "evaluation": EVALUATION_POLICY,
 }
-TARGET = TargetModel.model_validate(
-    {
-        "root": "/nowhere",
-        "name": "t",
-        "source": "local",
-        "architecture": "LlamaForCausalLM",
-        "model_type": "llama",
-        "num_layers": 30,
-        "hidden_size": 576,
-        "vocab_size": 49152,
-        "tie_word_embeddings": True,
-        "config_digest": "c",
-        "tokenizer_digest": "t",
-        "chat_template": None,
-    }
-)
-PROMPTS = {"humaneval": [EvalPrompt(id="p0", messages=[{"role": "user", "content": "hi"}], prompt_set="humaneval")]}
-
-
-def core_key(config: PipelineConfig, phase: str) -> Any:
-    """What the core phase compares before resuming or reusing its folder."""
-    if phase == "sampling":
-        return run_key(config, TARGET, [])
-    if phase == "extraction":
-        return extraction_key(config, TARGET)
-    if phase == "vocab":
-        return vocab_key(config, TARGET)
-    if phase == "training":
-        return training_key(config)
-    if phase == "evaluation":
-        return (*measurement_keys(config, {}, PROMPTS), verdict_fields(config))
-    return None  # prepare_target keys its converted folder by the GGUF's digest, not by config fields
 
 
 def prefect_key(config: PipelineConfig, phase: str) -> Any:

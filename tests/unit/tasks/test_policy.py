@@ -26,7 +26,7 @@ from eagle3_core.faults import ENV, InjectedFault, check_fault, faulting_progres
 from eagle3_core.phases import PhaseSpec
 from eagle3_core.progress import ProgressUpdate
 from eagle3_core.serving.engine import EngineDied
-from tasks.gpu import ensure_concurrency_limit
+from tasks.gpu_slot import ensure_concurrency_limit
 from tasks.policy import (
     PhaseCachePolicy,
     configured,
@@ -323,7 +323,7 @@ HOLDER = textwrap.dedent(
     """
     import sys, time
     from prefect import flow
-    from tasks.gpu import gpu_slot
+    from tasks.gpu_slot import gpu_slot
 
     @flow
     def hold(log: str) -> None:

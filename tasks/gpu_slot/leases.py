@@ -1,5 +1,6 @@
-"""Taking a slot of a global concurrency limit so that a holder killed outright (SIGKILL, the OOM killer, a
-lost host) never blocks the next run: every holder records itself (`eagle3_core.serving.holders`), and a waiter
+"""The Prefect side of the slot: the global concurrency limit itself (created when missing), and taking a
+slot of it so that a holder killed outright (SIGKILL, the OOM killer, a
+lost host) never blocks the next run: every holder records itself (`tasks.gpu_slot.records`), and a waiter
 gives back the slot of a holder that is gone, with one `decision` line in its run's events.jsonl. While it
 waits for a live holder it says so every few seconds: who holds the slot, since when, how long so far.
 
@@ -23,25 +24,40 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from uuid import UUID
 
 import httpx
 from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
-from prefect.exceptions import ObjectNotFound
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.settings import get_current_settings
 
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.progress import ProgressCallback, ProgressUpdate
-from eagle3_core.serving.holders import HolderBook, HolderRecord, ProcessIdentity
+from tasks.gpu_slot.records import HolderBook, HolderRecord, ProcessIdentity, waiting_text
 
+GPU_SLOTS = 1
 LEASE_S = 300.0
 POLL_S = 2.0  # between attempts while a live holder has the slot
 REPORT_S = 5.0  # between progress lines while waiting
 HTTP_LOCKED = 423
 
 log = logging.getLogger("eagle3.gpu")
+
+
+def ensure_concurrency_limit(name: str, limit: int = GPU_SLOTS) -> int:
+    """Create the global concurrency limit `name` with `limit` slots unless it exists; return its limit."""
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_global_concurrency_limit_by_name(name).limit
+        except ObjectNotFound:
+            pass
+        with suppress(ObjectAlreadyExists):  # another flow created it between the read and the create
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=limit))
+        return client.read_global_concurrency_limit_by_name(name).limit
 
 
 def ephemeral_api() -> bool:
@@ -150,14 +166,7 @@ def note(events: RunEvents | None, phase: str, message: str, record: HolderRecor
 
 def waiting_message(book: HolderBook, waited_s: float) -> str:
     live = [r for r in book.records() if r.process.alive() is not False]
-    if live:
-        held = "; ".join(r.describe() for r in live)
-    else:
-        held = (
-            "a holder not recorded on this host (a run on another host: the server revokes its lease "
-            f"{LEASE_S:.0f} s after it stops renewing it)"
-        )
-    return f"held by {held}; waited {waited_s:.0f} s so far"
+    return waiting_text(live, waited_s, LEASE_S)
 
 
 def take_slot(

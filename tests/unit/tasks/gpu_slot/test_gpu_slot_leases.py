@@ -1,13 +1,11 @@
 """A holder of the `gpu` slot killed outright (SIGKILL) never blocks the next run, and a live one is never
-robbed: real processes, real SIGKILLs, a real Prefect API (a server that outlives the holders, like a
-`prefect server start`) and real ephemeral servers (PREFECT_HOME of the test, no PREFECT_API_URL, the
-default of `eagle3 run`). Also: the temporary Prefect server dies with its run (parent-death signal), and
-a run stops the temporary servers a killed run left behind."""
+robbed (`tasks.gpu_slot`): real processes, real SIGKILLs, a real Prefect API (a server that outlives the
+holders, like a `prefect server start`) and real ephemeral servers (PREFECT_HOME of the test, no
+PREFECT_API_URL, the default of `eagle3 run`), whose killed run leaves no temporary server behind."""
 
 from __future__ import annotations
 
 import contextvars
-import json
 import os
 import subprocess
 import sys
@@ -25,17 +23,15 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
 from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
-from eagle3_core.events import DECISION, RunEvents
+from eagle3_core.events import RunEvents
 from eagle3_core.progress import ProgressUpdate
-from eagle3_core.serving.holders import HolderBook, HolderRecord, ProcessIdentity
-from eagle3_core.serving.parent_death import die_with_parent
-from flows.temporary_server import APP, records_dir, stop_leftover_servers
-from tasks.gpu import ensure_concurrency_limit, gpu_slot
-from tasks.gpu_holders import death_of
+from flows.temporary_server import APP, records_dir
+from tasks.gpu_slot import HolderRecord, ProcessIdentity, death_of, ensure_concurrency_limit, gpu_slot
+from tests.helpers.processes import dead_pid, decisions
 
 RUN_IDS = {name: uuid4() for name in ("ended", "running", "missing")}
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 
 # Holds `limit` for `seconds`, inside a flow run; prints "held" once it has the slot. Without
 # PREFECT_API_URL it first starts its temporary server the way `eagle3 run` does.
@@ -45,7 +41,7 @@ HOLDER = textwrap.dedent(
     from prefect import flow
     from eagle3_core.events import RunEvents
     from flows.temporary_server import own_temporary_server
-    from tasks.gpu import gpu_slot
+    from tasks.gpu_slot import gpu_slot
 
     limit, run_dir, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
     own_temporary_server(RunEvents(run_dir))
@@ -84,10 +80,6 @@ def wait_output(tmp_path: Path, name: str, text: str, proc: subprocess.Popen, ti
         time.sleep(0.5)
 
 
-def decisions(run_dir: Path) -> list[dict]:
-    return [e for e in RunEvents(run_dir).read() if e["event"] == DECISION]
-
-
 def active_slots(limit: str) -> int:
     with get_client(sync_client=True) as client:
         return client.read_global_concurrency_limit_by_name(limit).active_slots
@@ -98,37 +90,7 @@ def set_active_slots(limit: str, slots: int) -> None:
         client.update_global_concurrency_limit(limit, GlobalConcurrencyLimitUpdate(active_slots=slots))
 
 
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
-# --- holders and their liveness, no Prefect ------------------------------------------------------------
-
-
-def test_a_process_is_alive_until_it_is_gone_or_its_pid_is_reused():
-    me = ProcessIdentity.current()
-    assert me.alive() is True
-    assert ProcessIdentity(me.host, me.pid, me.started - 5).alive() is False, "same pid, older process: reused"
-    assert ProcessIdentity(me.host, dead_pid(), me.started).alive() is False
-    assert ProcessIdentity("another-host", me.pid, me.started).alive() is None, "cannot be told from here"
-
-
-def test_the_book_keeps_one_record_per_lease_and_drops_a_damaged_one(tmp_path: Path):
-    book = HolderBook(tmp_path / "gpu")
-    me = ProcessIdentity.current()
-    first = HolderRecord("gpu", "lease-a", "run-1", "brave-owl", me.host, me.pid, me.started, 100.0)
-    second = HolderRecord("gpu", "lease-b", None, None, me.host, me.pid, me.started, 50.0)
-    with book.locked():
-        book.write(first)
-        book.write(second)
-    (tmp_path / "gpu" / "lease-c.json").write_text("{not json")
-    assert book.records() == [second, first], "oldest first"
-    assert not (tmp_path / "gpu" / "lease-c.json").exists()
-    assert "flow run brave-owl run-1" in first.describe() and f"pid {me.pid}" in first.describe()
-    book.remove("lease-a")
-    assert book.records() == [second]
+# --- telling a dead holder ------------------------------------------------------------------------------
 
 
 def test_a_holder_of_another_host_is_dead_once_its_flow_run_has_ended():
@@ -154,50 +116,6 @@ def test_a_holder_of_another_host_is_dead_once_its_flow_run_has_ended():
     assert death_of(client, holder("missing")) is None, "unknown counts as alive"
     assert death_of(client, holder(None)) is None
     assert death_of(client, holder("running", host=me.host, pid=dead_pid())) == "that process is gone"
-
-
-def assert_child_dies_with_its_parent(parent_script: str) -> None:
-    """Run `parent_script` (it prints its child's pid once the child is set up), SIGKILL it, and wait for the
-    child to end: TimeoutExpired if the child outlives its parent."""
-    parent = subprocess.Popen(
-        [sys.executable, "-c", parent_script],
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    child = psutil.Process(int(parent.stdout.readline()))
-    parent.kill()
-    parent.wait()
-    child.wait(timeout=10)
-
-
-def test_a_child_with_a_parent_death_signal_dies_with_its_parent(tmp_path: Path):
-    assert_child_dies_with_its_parent(
-        "import signal, subprocess, sys, time\n"
-        "from eagle3_core.serving.parent_death import die_with_parent\n"
-        "child = subprocess.Popen(['sleep', '600'], preexec_fn=die_with_parent(signal.SIGTERM))\n"
-        "print(child.pid, flush=True)\n"
-        "time.sleep(600)\n"
-    )
-    assert die_with_parent() is not None, "armed in the main thread"
-    found: list[object] = []
-    worker = threading.Thread(target=lambda: found.append(die_with_parent()))
-    worker.start()
-    worker.join()
-    assert found == [None], "never armed from a helper thread (the signal follows the thread)"
-
-
-def test_a_child_that_arms_the_signal_itself_dies_with_its_parent():
-    """As a torchrun rank does against its agent (`die_with_launcher`): the parent starts it plainly."""
-    arm = "from eagle3_core.serving.parent_death import die_with_launcher; import time; die_with_launcher(); "
-    assert_child_dies_with_its_parent(
-        "import subprocess, sys, time\n"
-        f"child = subprocess.Popen([sys.executable, '-c', {arm + 'print(1, flush=True); time.sleep(600)'!r}],"
-        " stdout=subprocess.PIPE, text=True)\n"
-        "child.stdout.readline()\n"  # armed
-        "print(child.pid, flush=True)\n"
-        "time.sleep(600)\n"
-    )
 
 
 # --- on a Prefect server that outlives the holders (PREFECT_API_URL) -------------------------------------
@@ -325,51 +243,3 @@ def test_a_killed_run_leaves_no_temporary_server_and_the_next_run_takes_its_slot
 def records_dir_of(home: Path) -> Path:
     with temporary_settings({PREFECT_HOME: str(home)}):
         return records_dir()
-
-
-def orphan(command: list[str], env: dict[str, str]) -> psutil.Process:
-    """A process re-parented to init: started by a parent that exits at once."""
-    launcher = (
-        "import subprocess, sys, json\n"
-        f"p = subprocess.Popen({command!r}, env=json.loads(sys.argv[1]), start_new_session=True,\n"
-        "                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
-        "print(p.pid, flush=True)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", launcher, json.dumps(env)], capture_output=True, text=True, check=True)
-    process = psutil.Process(int(out.stdout))
-    deadline = time.monotonic() + 10
-    while process.ppid() != 1:
-        assert time.monotonic() < deadline, "not re-parented to init (a subreaper?)"
-        time.sleep(0.1)
-    return process
-
-
-def test_a_run_stops_the_temporary_servers_a_killed_run_left_behind(tmp_path: Path):
-    home = (tmp_path / "prefect-home").resolve()
-    fake_server = [sys.executable, "-c", "import time; time.sleep(600)", APP]
-    # An orphan of this PREFECT_HOME (a run killed before this guard), one of another home, and a
-    # recorded server whose run is gone.
-    mine = orphan(fake_server, {**os.environ, "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT_HOME": str(home)})
-    other_home = {**os.environ, "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT_HOME": str(tmp_path / "other")}
-    theirs = orphan(fake_server, other_home)
-    recorded = subprocess.Popen(fake_server)
-    events = RunEvents(tmp_path / "run")
-    try:
-        with temporary_settings({PREFECT_HOME: str(home)}):
-            folder = records_dir()
-            folder.mkdir(parents=True)
-            run = {"host": ProcessIdentity.current().host, "pid": dead_pid(), "started": time.time() - 60}
-            record = {"server": vars(ProcessIdentity.of(recorded.pid)), "run": run, "port": 8123}
-            (folder / f"{recorded.pid}.json").write_text(json.dumps(record))
-            stopped = stop_leftover_servers(events)
-        assert sorted(stopped) == sorted([mine.pid, recorded.pid])
-        recorded.wait(timeout=15)  # stopped (reaped by the stopper: its exit status is not ours to read)
-        mine.wait(timeout=15)
-        assert theirs.is_running(), "a server of another PREFECT_HOME is not ours to stop"
-        assert not list(folder.glob("*.json"))
-        messages = [e["message"] for e in decisions(tmp_path / "run")]
-        assert len(messages) == 2 and all("stopped the temporary Prefect server" in m for m in messages)
-    finally:
-        for process in (mine, theirs, psutil.Process(recorded.pid) if recorded.poll() is None else None):
-            if process is not None and process.is_running():
-                process.kill()

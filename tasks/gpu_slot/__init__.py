@@ -1,40 +1,44 @@
-"""One engine owner at a time: every phase that starts an inference engine or trains holds one slot of the
-global concurrency limit `gpu` (strict: a missing limit is an error, never a silent pass). The limit is
-created with one slot when it does not exist yet, so a fresh Prefect (ephemeral or a new server) works.
-A holder killed outright never blocks the next run, and a waiter says whom it waits for: `tasks.gpu_holders`."""
+"""The GPU slot, in one place: one engine owner at a time. Every phase that starts an inference engine or
+trains holds one slot of the global concurrency limit `gpu` (`orchestration.gpu_limit`; strict: a missing
+limit is an error, never a silent pass). The limit is created with one slot when it does not exist yet, so
+a fresh Prefect (ephemeral or a new server) works. A holder killed outright never blocks the next run, and
+a waiter says whom it waits for.
+
+The package, read top down:
+- here, the public surface: `phase_slot` (what a phase task holds), `gpu_slot` (hold a slot for a block),
+  `ensure_concurrency_limit` (create the limit), and the records' types for the callers that read them;
+- `leases`: the Prefect side: the limit, taking a slot (waiting for a live holder, giving back a dead
+  one's), giving it back, and telling a dead holder (`death_of`);
+- `records`: the holders on disk and their processes' liveness, pure bookkeeping without Prefect."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from uuid import UUID
 
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency._leases import maintain_concurrency_lease
-from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from eagle3_core.events import RunEvents
 from eagle3_core.progress import ProgressCallback
-from tasks.gpu_holders import LEASE_S, give_back, take_slot
+from tasks.gpu_slot.leases import GPU_SLOTS, LEASE_S, death_of, ensure_concurrency_limit, give_back, take_slot
+from tasks.gpu_slot.records import HolderBook, HolderRecord, ProcessIdentity
 
-GPU_SLOTS = 1
+__all__ = [
+    "GPU_SLOTS",
+    "LEASE_S",
+    "HolderBook",
+    "HolderRecord",
+    "ProcessIdentity",
+    "death_of",
+    "ensure_concurrency_limit",
+    "gpu_slot",
+    "phase_slot",
+]
 
 log = logging.getLogger("eagle3.gpu")
-
-
-def ensure_concurrency_limit(name: str, limit: int = GPU_SLOTS) -> int:
-    """Create the global concurrency limit `name` with `limit` slots unless it exists; return its limit."""
-    with get_client(sync_client=True) as client:
-        try:
-            return client.read_global_concurrency_limit_by_name(name).limit
-        except ObjectNotFound:
-            pass
-        with suppress(ObjectAlreadyExists):  # another flow created it between the read and the create
-            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=limit))
-        return client.read_global_concurrency_limit_by_name(name).limit
 
 
 def waiting_progress() -> ProgressCallback:

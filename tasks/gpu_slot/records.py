@@ -8,7 +8,8 @@ the pid's start time, since), written under the book's lock together with the sl
 removed after its release. A waiter reads the records under the same lock: a holder whose process is gone
 on this host (its pid no longer runs, or runs a newer process) is dead, and its slot can be given back.
 
-No Prefect import here: the Prefect side (taking and releasing slots) is `tasks.gpu_holders`."""
+Pure bookkeeping: no Prefect import here (an import contract of pyproject.toml keeps it so). Taking and
+releasing slots through the Prefect API is `tasks.gpu_slot.leases`."""
 
 from __future__ import annotations
 
@@ -126,3 +127,17 @@ class HolderBook:
             except (OSError, ValueError, TypeError):
                 path.unlink(missing_ok=True)
         return sorted(found, key=lambda r: r.since)
+
+
+def waiting_text(live: list[HolderRecord], waited_s: float, lease_s: float) -> str:
+    """What a waiter says while the slot is taken: the live holders on record, or, with none on record,
+    that it waits for a holder of another host (whose lease the server revokes `lease_s` after its holder
+    stopped renewing it)."""
+    if live:
+        held = "; ".join(r.describe() for r in live)
+    else:
+        held = (
+            "a holder not recorded on this host (a run on another host: the server revokes its lease "
+            f"{lease_s:.0f} s after it stops renewing it)"
+        )
+    return f"held by {held}; waited {waited_s:.0f} s so far"

@@ -1,0 +1,34 @@
+"""The keys the core phases compare before reusing what they made (what `eagle3 <command>` decides by), for
+the tests that hold them against the Prefect cache keys of the same phases: on a target manifest of
+SmolLM2-135M's shape and one HumanEval-like prompt."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eagle3_core.config import PipelineConfig
+from eagle3_core.evaluation.phase import measurement_keys, verdict_fields
+from eagle3_core.evaluation.prompts import EvalPrompt
+from eagle3_core.extraction.phase import phase_config as extraction_key
+from eagle3_core.sampling.store import run_key
+from eagle3_core.training.phase import phase_config as training_key
+from eagle3_core.vocab import phase_config as vocab_key
+from tests.helpers.targets import smollm2_shaped_target
+
+TARGET = smollm2_shaped_target()
+PROMPTS = {"humaneval": [EvalPrompt(id="p0", messages=[{"role": "user", "content": "hi"}], prompt_set="humaneval")]}
+
+
+def core_key(config: PipelineConfig, phase: str) -> Any:
+    """What the core phase compares before resuming or reusing its folder."""
+    if phase == "sampling":
+        return run_key(config, TARGET, [])
+    if phase == "extraction":
+        return extraction_key(config, TARGET)
+    if phase == "vocab":
+        return vocab_key(config, TARGET)
+    if phase == "training":
+        return training_key(config)
+    if phase == "evaluation":
+        return (*measurement_keys(config, {}, PROMPTS), verdict_fields(config))
+    return None  # prepare_target keys its converted folder by the GGUF's digest, not by config fields
