@@ -12,7 +12,9 @@ It also writes states only for requests that ask for them: a request whose `kv_t
 `{"eagle3_extract": true}` (what the extraction backend sends). vLLM's example names a file for every new
 request and delays freeing its blocks until that file is written; here every other request (a sampling
 request on a server shared by sampling and extraction) gets no file, writes nothing and frees its blocks
-at once.
+at once. vLLM 0.26's example then fails on such a request when it finishes (it pops the request's file
+name without a default: `KeyError` in the engine core, every request after it answered 500, seen on the
+H200); 0.27+ returns "nothing to save" for it. `request_finished` answers that itself on every version.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.request import Request
 
 CONNECTOR_NAME = "HiddenStatesConnector"
 EXTRACT_KEY = "eagle3_extract"
@@ -71,6 +74,13 @@ class HiddenStatesConnector(ExampleHiddenStatesConnector):
                 self._request_filenames.pop(new_req.req_id, None)
                 meta.new_req_filenames.pop(new_req.req_id, None)
         return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Nothing to save and no blocks to hold for a request that has no file name (it asked for no
+        states); the example's own path for the others."""
+        if request.request_id not in self._request_filenames:
+            return False, None
+        return super().request_finished(request, block_ids)
 
     def _submit_async_write(self, pending: PendingSave) -> None:
         if self._kv_cache is None or self._kv_cache.is_cuda:

@@ -32,3 +32,28 @@ def test_a_synchronous_copy_reports_itself_done():
     copy = CompletedCopy()
     assert copy.query() is True
     copy.synchronize()
+
+
+def vllm_026_request_finished(self, request, block_ids):
+    """vLLM 0.26's example connector: it pops the request's file name without a default (0.27+ answers
+    "nothing to save" for a request it has no name for)."""
+    filename = self._request_filenames.pop(request.request_id)
+    return True, {"hidden_states_path": filename}
+
+
+def test_a_request_that_asked_for_no_states_finishes_on_vllm_026s_connector_too(monkeypatch):
+    """On the H200 (vLLM 0.26) a sampling request on the shared extraction server killed the engine core
+    (`KeyError` in `request_finished`): the example still named no file for it, as we asked."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector,
+    )
+
+    monkeypatch.setattr(ExampleHiddenStatesConnector, "request_finished", vllm_026_request_finished)
+    connector = object.__new__(HiddenStatesConnector)
+    connector._request_filenames = {"extract-1": "/states/extract-1.safetensors"}
+    assert connector.request_finished(SimpleNamespace(request_id="sample-1"), [0, 1]) == (False, None)
+    saved = connector.request_finished(SimpleNamespace(request_id="extract-1"), [2])
+    assert saved == (True, {"hidden_states_path": "/states/extract-1.safetensors"})
+    assert connector._request_filenames == {}
