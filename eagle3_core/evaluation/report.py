@@ -98,7 +98,9 @@ def agreement_cell(measured_b: dict[str, Any]) -> str:
         return cell
     defects = measured_b["defects"]
     named = f" ({', '.join(defects[:5])}{', …' if len(defects) > 5 else ''})" if defects else ""
-    return f"{cell}; near-ties {measured_b['near_ties']}; defects {len(defects)}{named}"
+    unrepeatable = measured_b.get("unrepeatable") or []
+    plain = f"; plain greedy not repeatable {len(unrepeatable)}" if unrepeatable else ""
+    return f"{cell}; near-ties {measured_b['near_ties']}; defects {len(defects)}{named}{plain}"
 
 
 def guard_lines(summary: dict[str, Any]) -> list[str]:

@@ -10,7 +10,10 @@ Greedy outputs with the draft must equal plain greedy. On a GPU the verification
 decode run differently shaped kernels, so a near-tie can flip: where two texts first differ, the plain server
 is asked again for that prompt with its top-2 log-probabilities, and the difference counts as a near-tie when
 the plain run's top-2 gap there (log-softmax differences equal logit differences) is below
-`evaluation.near_tie_logit_gap`. Any other difference is a defect, named by prompt id.
+`evaluation.near_tie_logit_gap`. Where that repeat itself departs from the first plain run, plain greedy
+does not repeat on this engine (batch-variant kernels: on the H200 the W4A16 MoE target in bf16 did so on all
+8 prompts), so there is no fixed reference: those prompts are counted and named apart, as `unrepeatable`.
+Any other difference is a defect, named by prompt id.
 """
 
 from __future__ import annotations
@@ -332,7 +335,8 @@ def compare(draft: dict[str, Any], plain: dict[str, Any], outputs: tuple[list[st
         "acceptance": draft["acceptance"],
         "identical_outputs": f"{same}/{len(outputs[0])}",
         "near_ties": sum(d["near_tie"] for d in differences),
-        "defects": [d["prompt"] for d in differences if not d["near_tie"]],
+        "unrepeatable": [d["prompt"] for d in differences if not d.get("repeatable", True)],
+        "defects": [d["prompt"] for d in differences if d.get("repeatable", True) and not d["near_tie"]],
         "differences": differences,
     }
     for mode in ("batch1", "concurrent"):
@@ -419,9 +423,10 @@ def measure_vllm(
 
 def agreement_line(pooled: dict[str, Any], bound: float) -> str:
     """The events.jsonl line that judges (b)'s outputs against plain greedy."""
-    defects = pooled["defects"]
+    defects, unrepeatable = pooled["defects"], pooled.get("unrepeatable", [])
+    named = f" ({len(unrepeatable)} where plain greedy itself does not repeat: {', '.join(unrepeatable)})"
     return (
         f"measurement (b) outputs with the draft vs plain greedy: {pooled['identical_outputs']} identical, "
         f"{pooled['near_ties']} near-ties (plain top-2 logit gap < {bound:g} where the texts first differ), "
-        f"{len(defects)} defects{': ' + ', '.join(defects) if defects else ''}"
+        f"{len(defects)} defects{': ' + ', '.join(defects) if defects else ''}{named if unrepeatable else ''}"
     )

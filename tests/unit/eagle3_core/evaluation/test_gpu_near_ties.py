@@ -82,8 +82,8 @@ def run(outputs: list[str], differences: list[dict[str, Any]] | None = None, dra
 
 
 def test_compare_runs_counts_near_ties_and_names_defects_per_set_and_pooled() -> None:
-    near = {"prompt": "a2", "near_tie": True}
-    defect = {"prompt": "b1", "near_tie": False}
+    near = {"prompt": "a2", "repeatable": True, "near_tie": True}
+    defect = {"prompt": "b1", "repeatable": True, "near_tie": False}
     with_draft = {"a": run(["x", "y"], draft=True), "b": run(["z"], draft=True)}
     without = {"a": run(["x", "Y"], [near]), "b": run(["Z"], [defect])}
     sets = compare_runs(with_draft, without)["sets"]
@@ -94,6 +94,17 @@ def test_compare_runs_counts_near_ties_and_names_defects_per_set_and_pooled() ->
                                                       "where the texts first differ), 1 defects: b1")  # fmt: skip
     assert agreement_cell(sets["all"]) == "1/3; near-ties 1; defects 1 (b1)"
     assert agreement_cell({"identical_outputs": "2/2"}) == "2/2"  # a (b) saved before the rule
+
+
+def test_where_plain_greedy_does_not_repeat_the_prompt_is_named_apart_not_as_the_drafts_defect() -> None:
+    """Seen on the H200: the bf16 W4A16 MoE target's plain greedy answered otherwise when asked again, on
+    every prompt whose outputs differed; those prompts have no fixed reference to judge the draft by."""
+    moved = {"prompt": "c1", "repeatable": False, "near_tie": False}
+    defect = {"prompt": "c2", "repeatable": True, "near_tie": False}
+    pooled = compare_runs({"c": run(["x", "y"], draft=True)}, {"c": run(["X", "Y"], [moved, defect])})["sets"]["all"]
+    assert (pooled["defects"], pooled["unrepeatable"], pooled["near_ties"]) == (["c2"], ["c1"], 0)
+    assert agreement_line(pooled, 0.05).endswith("1 defects: c2 (1 where plain greedy itself does not repeat: c1)")
+    assert agreement_cell(pooled) == "0/2; near-ties 0; defects 1 (c2); plain greedy not repeatable 1"
 
 
 def test_the_report_says_when_the_draft_makes_serving_slower() -> None:
