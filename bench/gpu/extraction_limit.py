@@ -49,8 +49,8 @@ COSINE_SAMPLES = 16
 def pipeline_config(run_dir: Path, tokens: int, backend: str = "vllm", dtype: str = "bf16") -> PipelineConfig:
     return PipelineConfig.model_validate({
         "run_dir": str(run_dir),
-        "server": {"dtype": "bfloat16", "max_model_len": tokens + 16, "gpu_memory_utilization": 0.85, "enforce_eager": True,
-                   "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"}, "startup_timeout_s": 900},
+        "server": {"dtype": "bfloat16", "max_model_len": tokens + 16, "gpu_memory_utilization": 0.85,
+                   "enforce_eager": True, "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"}, "startup_timeout_s": 900},
         "sampling": {"holdout_fraction": 0.0},
         "extraction": {"backend": backend, "dtype": dtype, "concurrency": CONCURRENCY, "samples_per_shard": 16,
                        "batch_size": 4, "compute_dtype": "bfloat16", "layer_ids": [2, 16, 29]},
@@ -73,7 +73,9 @@ def prefill_pass(base_url: str, rows: list[dict[str, Any]], in_flight: int) -> f
     return sum(len(row["input_ids"]) for row in rows) / seconds
 
 
-def timed_phase(config: PipelineConfig, samples: SampleSet, target: TargetModel, server: Any) -> tuple[HiddenStateSet, float]:
+def timed_phase(
+    config: PipelineConfig, samples: SampleSet, target: TargetModel, server: Any
+) -> tuple[HiddenStateSet, float]:
     """The extraction phase on `server` (None: the hf backend loads the target); the shard loop's seconds."""
     spent: list[float] = []
     run_shards = phase.run_shards
@@ -91,10 +93,16 @@ def timed_phase(config: PipelineConfig, samples: SampleSet, target: TargetModel,
     return states, spent[0]
 
 
+def rate_of(tokens_per_s: float, plain_rate: float) -> dict[str, float]:
+    return {"tokens_per_s": round(tokens_per_s), "vs_plain_engine": round(tokens_per_s / plain_rate, 3)}
+
+
 def stored(states: HiddenStateSet, seconds: float, plain_rate: float) -> dict[str, float]:
-    rate = states.tokens / seconds
-    return {"tokens_per_s": round(rate), "vs_plain_engine": round(rate / plain_rate, 3),
-            "bytes_per_token": round(states.bytes_per_token, 1), "gb_written": round(states.bytes_per_token * states.tokens / 1e9, 2)}  # fmt: skip
+    written = states.bytes_per_token * states.tokens
+    return rate_of(states.tokens / seconds, plain_rate) | {
+        "bytes_per_token": round(states.bytes_per_token, 1),
+        "gb_written": round(written / 1e9, 2),
+    }
 
 
 def layer_cosines(a: HiddenStateSet, b: HiddenStateSet, samples: int) -> list[float]:
@@ -150,14 +158,14 @@ def run(target_dir: Path, work: Path, samples: int, tokens: int) -> dict[str, An
         results["extraction_engine_healthy_s"] = round(time.monotonic() - begun, 1)
         timed_phase(pipeline_config(work / "warm-vllm", tokens), warm, target, server)
         for dtype in ("fp8", "bf16"):
-            states, seconds = timed_phase(pipeline_config(work / f"vllm-{dtype}", tokens, dtype=dtype), sample_set, target, server)  # fmt: skip
+            config = pipeline_config(work / f"vllm-{dtype}", tokens, dtype=dtype)
+            states, seconds = timed_phase(config, sample_set, target, server)
             results[f"vllm_store_{dtype}"] = stored(states, seconds, plain_rate)
             sets[dtype] = states
-        try:
-            rate = prefill_pass(server.base_url, warm_rows, in_flight)
-            results["extraction_engine_no_states"] = {"tokens_per_s": round(rate), "vs_plain_engine": round(rate / plain_rate, 3)}  # fmt: skip
+        try:  # last: where the connector cannot take a request that asks for no states, the engine dies
+            results["extraction_engine_no_states"] = rate_of(prefill_pass(server.base_url, rows, in_flight), plain_rate)
         except httpx.HTTPStatusError as exc:
-            results["extraction_engine_no_states"] = {"error": str(exc).splitlines()[0], "answer": exc.response.text[:2000]}
+            results["extraction_engine_no_states"] = {"error": str(exc).splitlines()[0], "answer": exc.response.text}
     shutil.rmtree(work / "vllm-fp8", ignore_errors=True)
     hf_states, seconds = timed_phase(pipeline_config(work / "hf-bf16", tokens, backend="hf"), sample_set, target, None)
     results["hf_store_bf16"] = stored(hf_states, seconds, plain_rate)

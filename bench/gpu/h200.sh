@@ -4,6 +4,9 @@
 #   bash bench/gpu/h200.sh stash    carry .gpu-stage/call-NN: copy its part into the stash
 #   bash bench/gpu/h200.sh run      carry the last call folder: install, GPU-release test, `eagle3 run`
 #   bash bench/gpu/h200.sh finish   the flow again (resumes or returns Cached), hf extraction, cosines
+#   bash bench/gpu/h200.sh kimi     (staged with --moe) the Kimi-shaped W4A16 MLA target written with random
+#                                   weights, the flow on it with the Llama-shaped draft, then the MLA draft
+#   bash bench/gpu/h200.sh limit    the 8B-shaped target, extraction throughput against the plain engine
 # Each step ends by $CALL_S (default 570) seconds after it started; a cut flow resumes in the next step.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -37,6 +40,22 @@ collect() {
   nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$OUT/steps.log"
 }
 
+tokenizer() {  # the embedded target's tokenizer, read from its GGUF (no conversion of the weights)
+  [ -f "$T/tokenizer/tokenizer.json" ] || timed python3 -c "
+import sys; from transformers import AutoTokenizer; from eagle3_core.target.prepare import embedded_gguf
+g = embedded_gguf('smollm2-135m-instruct'); AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name).save_pretrained(sys.argv[1])
+" "$T/tokenizer"
+}
+
+random_target() {  # $1 shape, $2 folder
+  [ -f "$2/model.safetensors.index.json" ] || timed python3 -m bench.gpu.random_targets "$1" "$2" --tokenizer "$T/tokenizer"
+}
+
+backends() {  # which attention, MoE and quantization kernels vLLM chose, from every server log of run $1
+  grep -hE "backend|Marlin|MoE|moe|quantiz|Using|block size|CUDA graph" "$1"/server/*.log 2>/dev/null |
+    grep -vE "DEBUG|Avg prompt throughput" | sed -E 's/^.*(INFO|WARNING|ERROR)/\1/' | sort | uniq -c | sort -rn | head -60
+}
+
 case ${1:-} in
   stash)
     timed python3 -m bench.gpu.device stash
@@ -61,8 +80,33 @@ case ${1:-} in
     fi
     collect
     ;;
+  kimi)
+    timed python3 -m bench.gpu.device install || exit 1
+    tokenizer
+    random_target kimi "$T/kimi-w4a16"
+    CONFIG=configs/h200-kimi-w4a16.yaml
+    SETS=(--set "run_dir=$T/run-kimi" --set "target.model=$T/kimi-w4a16" "${EXTRA[@]}")
+    flow kimi-llama
+    backends "$T/run-kimi" >"$OUT/kimi-llama-backends.txt"  # before the next run's starts rotate the logs
+    tar -czf "$OUT/kimi-llama-server.tgz" -C "$T/run-kimi" server 2>/dev/null
+    SETS+=(--set training.draft_architecture=deepseek_mla)
+    flow kimi-mla
+    cp "$T/run-kimi/events.jsonl" "$OUT/kimi-events.jsonl"
+    backends "$T/run-kimi" | tee "$OUT/kimi-backends.txt"
+    tar -czf "$OUT/kimi-run.tgz" -C "$T/run-kimi" --ignore-failed-read eval server 2>/dev/null
+    ;;
+  limit)
+    timed python3 -m bench.gpu.device install || exit 1
+    tokenizer
+    random_target llama8b "$T/llama8b"
+    timed python3 -m bench.gpu.extraction_limit --target "$T/llama8b" --work "$T/limit" --out "$OUT/limit.json" \
+      2>&1 | grep -v " | DEBUG" | tail -40
+    backends "$T/limit/extract" | tee "$OUT/limit-backends.txt"
+    tail -c 300000 "$T/limit/extract/server/extraction.log" >"$OUT/limit-extraction.log" 2>/dev/null
+    rm -rf "$T/limit"
+    ;;
   *)
-    echo "usage: bash bench/gpu/h200.sh stash|run|finish" >&2
+    echo "usage: bash bench/gpu/h200.sh stash|run|finish|kimi|limit" >&2
     exit 2
     ;;
 esac

@@ -54,6 +54,10 @@ VLLM_SERVER_PACKAGES: dict[str, str | None] = {
     # xgrammar 0.2.9 needs >=0.1.11 (0.1.10, vLLM's own pin, failed on the H200: "load_lib_module() got an
     # unexpected keyword argument 'extra_lib_paths'"); vLLM 0.26 runs with 0.1.11.
     "apache-tvm-ffi": "0.1.11",
+    # A compressed-tensors checkpoint (Kimi-K2.5's INT4 W4A16) needs vLLM 0.26's own pin to get past the
+    # model config: "No module named 'compressed_tensors'" on the H200 without it.
+    "compressed-tensors": "0.17.0",
+    "loguru": None,
 }
 # Requirements of the carried set that it knowingly breaks: (distribution, requirement).
 ALLOWED_CONFLICTS = frozenset({("vllm", "apache-tvm-ffi==0.1.10")})

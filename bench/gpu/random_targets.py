@@ -114,6 +114,13 @@ def edge_tensors(config: dict[str, Any]) -> dict[str, Tensor]:
     }
 
 
+def layer_norms(prefix: str, hidden: int) -> dict[str, Tensor]:
+    return {
+        f"{prefix}.input_layernorm.weight": Tensor((hidden,), "ones"),
+        f"{prefix}.post_attention_layernorm.weight": Tensor((hidden,), "ones"),
+    }
+
+
 def llama_tensors(config: dict[str, Any]) -> dict[str, Tensor]:
     """Every tensor of a Llama checkpoint, by its Hugging Face name."""
     hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
@@ -121,14 +128,16 @@ def llama_tensors(config: dict[str, Any]) -> dict[str, Tensor]:
     tensors = edge_tensors(config)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        tensors |= {
-            f"{p}.input_layernorm.weight": Tensor((hidden,), "ones"),
-            f"{p}.post_attention_layernorm.weight": Tensor((hidden,), "ones"),
-            f"{p}.self_attn.q_proj.weight": Tensor((heads * head_dim, hidden), "normal"),
-            f"{p}.self_attn.k_proj.weight": Tensor((kv_heads * head_dim, hidden), "normal"),
-            f"{p}.self_attn.v_proj.weight": Tensor((kv_heads * head_dim, hidden), "normal"),
-            f"{p}.self_attn.o_proj.weight": Tensor((hidden, heads * head_dim), "normal"),
-        } | mlp_tensors(f"{p}.mlp", hidden, config["intermediate_size"])
+        tensors |= (
+            layer_norms(p, hidden)
+            | {
+                f"{p}.self_attn.q_proj.weight": Tensor((heads * head_dim, hidden), "normal"),
+                f"{p}.self_attn.k_proj.weight": Tensor((kv_heads * head_dim, hidden), "normal"),
+                f"{p}.self_attn.v_proj.weight": Tensor((kv_heads * head_dim, hidden), "normal"),
+                f"{p}.self_attn.o_proj.weight": Tensor((hidden, heads * head_dim), "normal"),
+            }
+            | mlp_tensors(f"{p}.mlp", hidden, config["intermediate_size"])
+        )
     return tensors
 
 
@@ -158,7 +167,8 @@ def moe_tensors(prefix: str, config: dict[str, Any], quantized: bool) -> dict[st
     for e in range(experts):
         expert = f"{prefix}.experts.{e}"
         if quantized:
-            tensors |= int4_linear(f"{expert}.gate_proj", inner, hidden) | int4_linear(f"{expert}.up_proj", inner, hidden)
+            tensors |= int4_linear(f"{expert}.gate_proj", inner, hidden)
+            tensors |= int4_linear(f"{expert}.up_proj", inner, hidden)
             tensors |= int4_linear(f"{expert}.down_proj", hidden, inner)
         else:
             tensors |= mlp_tensors(expert, hidden, inner)
@@ -171,10 +181,7 @@ def deepseek_tensors(config: dict[str, Any]) -> dict[str, Tensor]:
     tensors = edge_tensors(config)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        tensors |= {
-            f"{p}.input_layernorm.weight": Tensor((hidden,), "ones"),
-            f"{p}.post_attention_layernorm.weight": Tensor((hidden,), "ones"),
-        } | mla_tensors(f"{p}.self_attn", config)
+        tensors |= layer_norms(p, hidden) | mla_tensors(f"{p}.self_attn", config)
         if i < config["first_k_dense_replace"]:
             tensors |= mlp_tensors(f"{p}.mlp", hidden, config["intermediate_size"])
         else:
