@@ -1,6 +1,7 @@
 """Shared fixtures, each built once per test session (once per xdist worker): the real embedded target
-(converted once per machine), tiny random targets, the shared vLLM servers (`served_targets.py`) and one
-throwaway Prefect API (a temporary database and server) for the tests that need not be isolated."""
+(converted once per machine), tiny random targets, the shared vLLM servers (`served_targets.py`), one
+throwaway Prefect API (a temporary database and server) for the tests that need not be isolated, and, where
+EAGLE3_TEST_POSTGRES is set, one Prefect server on PostgreSQL for the tests whose workers share a server."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import TargetConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.target.prepare import describe_folder, prepare_target
+from tests.helpers.postgres import prefect_server_on_postgres
 from tests.helpers.served_targets import ServedTargets
 from tests.helpers.tiny_targets import build_tiny_target
 
@@ -48,6 +50,18 @@ def prefect_api():
     artifacts) starts a harness of its own instead."""
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def postgres_prefect_server(tmp_path_factory: pytest.TempPathFactory):
+    """One `prefect server start` on a fresh PostgreSQL database for the session (one per xdist worker that
+    asks for it), the server that real workers share: the UI test's and the two-host test's. Skipped without
+    EAGLE3_TEST_POSTGRES (a libpq URL of a role that may create databases; `.ci/run` sets it)."""
+    admin = os.environ.get("EAGLE3_TEST_POSTGRES")
+    if not admin:
+        pytest.skip("needs PostgreSQL: set EAGLE3_TEST_POSTGRES (see tests/helpers/postgres.py)")
+    with prefect_server_on_postgres(admin, tmp_path_factory.mktemp("prefect-home")) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,9 @@ headless Chromium (playwright-core) opening the train-drafter deployment's custo
 field of the PipelineConfig form and submitting; the run completes through the worker and a screenshot of
 it is saved. Also checks the nightly deployment's schedule through the API.
 
-The server runs on PostgreSQL, as Prefect recommends for a server that workers share: on SQLite the worker's
-polls made the server refuse the UI's write ("database is locked": no run was created) in 2 of 3 CI runs.
+The server (the session's `postgres_prefect_server`, which the two-host test shares) runs on PostgreSQL, as
+Prefect recommends for a server that workers share: on SQLite the worker's polls made the server refuse the
+UI's write ("database is locked": no run was created) in 2 of 3 CI runs.
 
 Needs Chromium (`apt-get install -y chromium`), playwright-core (`npm install playwright-core`; point
 EAGLE3_PLAYWRIGHT_DIR at the folder holding its node_modules) and a PostgreSQL role that may create
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from eagle3_core.config import PipelineConfig
-from tests.helpers.postgres import fresh_database
+from tests.helpers.postgres import PrefectServer
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,6 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 PLAYWRIGHT_DIR = Path(os.environ.get("EAGLE3_PLAYWRIGHT_DIR", "/tmp/orch/ui"))
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-POSTGRES = os.environ.get("EAGLE3_TEST_POSTGRES")
 SCREENSHOTS = Path(os.environ.get("EAGLE3_UI_SCREENSHOTS", REPO / "runs" / "ui-test"))
 
 SUBMIT_JS = """
@@ -79,49 +78,13 @@ TINY = {
 }  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(api: str, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{api}/health", timeout=2).json() is True:
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(1)
-    raise AssertionError(f"prefect server at {api} never became healthy")
-
-
 @pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory: pytest.TempPathFactory):
+def prefect_server(request: pytest.FixtureRequest) -> PrefectServer:
+    """The session's Prefect server on PostgreSQL (`tests/conftest.py`), which the two-host test's workers
+    share when both modules run on one xdist worker."""
     if not CHROMIUM or not (PLAYWRIGHT_DIR / "node_modules" / "playwright-core").is_dir():
         pytest.skip("needs chromium and playwright-core (see the module docstring)")
-    if not POSTGRES:
-        pytest.skip("needs PostgreSQL: set EAGLE3_TEST_POSTGRES (see the module docstring)")
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(home),
-        "PREFECT_API_DATABASE_CONNECTION_URL": fresh_database(POSTGRES, f"prefect_ui_{port}"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_API_URL": f"{base}/api",
-    }
-    server = subprocess.Popen(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env
-    )
-    try:
-        wait_healthy(f"{base}/api")
-        yield base, {**env, "PREFECT_API_URL": f"{base}/api"}
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    return request.getfixturevalue("postgres_prefect_server")
 
 
 def stop_worker(worker: subprocess.Popen) -> None:
@@ -140,8 +103,8 @@ def api_post(base: str, path: str, body: dict) -> list[dict]:
     return httpx.post(f"{base}/api{path}", json=body, timeout=30).json()
 
 
-def test_custom_run_from_the_ui_completes(prefect_server, tmp_path: Path):
-    base, env = prefect_server
+def test_custom_run_from_the_ui_completes(prefect_server: PrefectServer, tmp_path: Path):
+    base, env = prefect_server.base, prefect_server.env
     subprocess.run([sys.executable, "-m", "cli", "deploy"], cwd=REPO, env=env, check=True)
     deployments = {d["name"]: d for d in api_post(base, "/deployments/filter", {})}
     nightly = deployments["nightly-regenerate"]
