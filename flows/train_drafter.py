@@ -26,6 +26,7 @@ from eagle3_core.artifacts import DraftCheckpoint, EvalReport, Manifest
 from eagle3_core.config import PipelineConfig
 from eagle3_core.dtypes import record_dtype_decision
 from eagle3_core.events import RunEvents
+from eagle3_core.extraction.layout import resolve_layer_ids
 from flows.hooks import stop_engines
 from flows.summary import PhaseRun, write_summary
 from tasks.evaluation import evaluate_draft_task
@@ -55,6 +56,7 @@ class PhaseRunner:
 
 def run_all_phases(config: PipelineConfig, runner: Callable[..., Any]) -> tuple[DraftCheckpoint, EvalReport]:
     target = runner(prepare_target_task, "prepare_target")
+    resolve_layer_ids(config, target)  # extraction's layers fit the target: known before sampling's weight load
     if config.orchestration.hosts > 1:
         samples = runner(sample_on_hosts_task, "sampling", target)
         hidden_states = runner(extract_on_hosts_task, "extraction", samples, target)
