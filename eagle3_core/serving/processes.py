@@ -55,8 +55,8 @@ def alive(proc: psutil.Process) -> bool:
 
 def server_processes(pid: int, pgid: int, started: float) -> list[psutil.Process]:
     """The server's process tree: the root, its descendants, and anything left in its process group
-    (workers whose parent already died are re-parented but keep the group). Processes created before the
-    server are pid-reuse impostors and excluded."""
+    (workers whose parent already died are re-parented but keep the group). A root created after `started`,
+    or a group member created before it, is a pid-reuse impostor and excluded."""
     found: dict[int, psutil.Process] = {}
     try:
         root = psutil.Process(pid)
