@@ -26,8 +26,8 @@ resumes from the last checkpoint).
   Every rank runs with `OMP_NUM_THREADS=1` unless it is set (torchrun's own default for more than one
   process a node, also where a node has one), so the layout of nodes does not change the draft
   (`rank_env`).
-- Nothing outlives the task: the agent runs in its own process group with the parent-death signal and a
-  pid file, `<run_dir>/server/training.pid`, as an engine does (the flow's crash and cancel hooks and the
+- Nothing outlives the task: the agent runs in its own process group with the parent-death signal (SIGKILL)
+  and a pid file, `<run_dir>/server/training.pid`, as an engine does (the flow's crash and cancel hooks and the
   next launch stop what it names); each rank arms the same signal against its agent; any exit of the task
   (failure, fault, timeout, cancellation) stops the whole tree.
 """
@@ -309,7 +309,10 @@ class TorchrunLaunch:
                 stdin=subprocess.DEVNULL,
                 env=self.env,
                 start_new_session=True,
-                preexec_fn=die_with_parent(signal.SIGTERM),  # not orphaned if the task's process is killed
+                # Not orphaned if the task's process is killed: SIGKILL, as torchrun's SIGTERM shutdown can
+                # outlive the ranks by half a minute (seen in CI: the ranks gone, the agent still in its
+                # `_close` 30 s after); each rank dies with the agent by its own parent-death signal.
+                preexec_fn=die_with_parent(signal.SIGKILL),
             )
         write_pid_file(self.pid_file, self.process.pid, command=self.command)
         return self.process
