@@ -158,8 +158,8 @@ def run(target_dir: Path, work: Path, samples: int, tokens: int) -> dict[str, An
         results["extraction_engine_healthy_s"] = round(time.monotonic() - begun, 1)
         timed_phase(pipeline_config(work / "warm-vllm", tokens), warm, target, server)
         for dtype in ("fp8", "bf16"):
-            config = pipeline_config(work / f"vllm-{dtype}", tokens, dtype=dtype)
-            states, seconds = timed_phase(config, sample_set, target, server)
+            store = pipeline_config(work / f"vllm-{dtype}", tokens, dtype=dtype)
+            states, seconds = timed_phase(store, sample_set, target, server)
             results[f"vllm_store_{dtype}"] = stored(states, seconds, plain_rate)
             sets[dtype] = states
         try:  # last: where the connector cannot take a request that asks for no states, the engine dies

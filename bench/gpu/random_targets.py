@@ -243,18 +243,17 @@ def write_random_target(out_dir: Path, config: dict[str, Any], tokenizer_dir: Pa
     return total
 
 
-BUILDERS = {"kimi": kimi_like_config, "llama8b": llama_8b_config}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("shape", choices=sorted(BUILDERS))
+    parser.add_argument("shape", choices=["kimi", "llama8b"])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--tokenizer", type=Path, required=True, help="folder with the tokenizer files")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    vocab = len(json.loads((args.tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
-    config = BUILDERS[args.shape](vocab) if args.shape == "kimi" else BUILDERS[args.shape]()
+    if args.shape == "kimi":  # the tokenizer's vocabulary; the 8B shape keeps Llama-3.1's 128256, a superset
+        config = kimi_like_config(len(json.loads((args.tokenizer / "tokenizer.json").read_text())["model"]["vocab"]))
+    else:
+        config = llama_8b_config()
     total = write_random_target(args.out_dir, config, args.tokenizer, args.device)
     print(json.dumps({"shape": args.shape, "out_dir": str(args.out_dir), "weight_bytes": total}))
 
