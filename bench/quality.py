@@ -87,11 +87,19 @@ def as_sets(overrides: dict) -> list[str]:
 
 
 def val_summary(metrics: dict, k: int = 3) -> dict:
-    """Validation accuracy (top-1) and simulated acceptance per position; tau at k from the first k rates."""
+    """Validation accuracy (top-1) and simulated acceptance per position, over every position and over a decode's
+    rounds (`decode`); tau at k from the first k rates."""
     steps = sorted(int(name.rsplit("_", 1)[1]) for name in metrics if name.startswith("val_top1_"))
     top1 = [round(metrics[f"val_top1_{i}"], 4) for i in steps]
     accept = [round(metrics[f"val_accept_rate_{i}"], 4) for i in steps]
-    return {"val_top1": top1, "val_accept": accept, "val_tau_k3": round(1 + sum(accept[:k]), 4)}
+    decode = [round(metrics[f"val_decode_accept_rate_{i}"], 4) for i in steps]
+    return {
+        "val_top1": top1,
+        "val_accept": accept,
+        "val_tau_k3": round(1 + sum(accept[:k]), 4),
+        "val_decode_accept": decode,
+        "val_decode_tau_k3": round(1 + sum(decode[:k]), 4),
+    }
 
 
 def shared_inputs(args: argparse.Namespace):

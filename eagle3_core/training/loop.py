@@ -36,6 +36,7 @@ from eagle3_core.training.loss import (
     TTTObjective,
     acceptance_counts,
     acceptance_summary,
+    decoding_counts,
     scored_rows,
 )
 from eagle3_core.training.optimizer import build_optimizer
@@ -213,29 +214,34 @@ def autocast(device: torch.device):
 def validate(
     objective: TTTObjective, head: TargetHead, data: Dataset, batch_size: int, group: Group, pad_multiple: int
 ) -> dict[str, float]:
-    """Per TTT position: loss, top-1 agreement with the target's greedy token (whole vocabulary), and the
-    simulated acceptance length of greedy chains of `ttt_steps` draft tokens."""
+    """Per TTT position: loss, top-1 agreement with the target's greedy token (whole vocabulary), and two
+    simulated acceptance lengths of greedy chains of `ttt_steps` draft tokens: `val_acceptance_length` over
+    chains started at every response position, and `val_decode_acceptance_length` over the rounds a greedy
+    decode of each response makes (`decoding_counts`: what the serving engine reports)."""
     steps = objective.ttt_steps
     totals = torch.zeros(steps, 3, dtype=torch.float64, device=group.device)
-    accepted = torch.zeros(steps, dtype=torch.float64, device=group.device)
-    chains = torch.zeros((), dtype=torch.float64, device=group.device)
+    accepted = torch.zeros(2, steps, dtype=torch.float64, device=group.device)  # every position, decode rounds
+    chains = torch.zeros(2, dtype=torch.float64, device=group.device)
     for indices in rank_batches(len(data), batch_size, group, 0, None):
         batch = collate([data[i] for i in indices], group.device, pad_multiple, steps)
         with autocast(group.device):
             _, stats, agree, valid = objective(batch, head, exact_top1=True)
         totals += stats.double()
-        counts, count = acceptance_counts(agree, valid)
-        accepted += counts.to(group.device, torch.float64)
-        chains += count
+        for n, (counts, count) in enumerate((acceptance_counts(agree, valid), decoding_counts(agree, valid))):
+            accepted[n] += counts.to(group.device, torch.float64)
+            chains[n] += count
     for tensor in (totals, accepted, chains):
         all_reduce_sum(tensor, group)
-    tau, per_position = acceptance_summary(accepted.long().cpu(), int(chains))
-    metrics = {"val_acceptance_length": tau, "val_tokens": float(totals[0, 2])}
+    tau, per_position = acceptance_summary(accepted[0].long().cpu(), int(chains[0]))
+    decode_tau, decode_per_position = acceptance_summary(accepted[1].long().cpu(), int(chains[1]))
+    metrics = {"val_acceptance_length": tau, "val_decode_acceptance_length": decode_tau}
+    metrics["val_tokens"] = float(totals[0, 2])
     for k in range(steps):
         scored = max(float(totals[k, 2]), 1.0)
         metrics[f"val_loss_{k}"] = float(totals[k, 0]) / scored
         metrics[f"val_top1_{k}"] = float(totals[k, 1]) / scored
         metrics[f"val_accept_rate_{k}"] = per_position[k]
+        metrics[f"val_decode_accept_rate_{k}"] = decode_per_position[k]
     return metrics
 
 

@@ -333,6 +333,43 @@ def acceptance_counts(agree: torch.Tensor, valid: torch.Tensor) -> tuple[torch.T
     return accepted_prefix.sum(-1).cpu(), int(chains.sum())
 
 
+def response_spans(starts: list[bool]) -> list[tuple[int, int]]:
+    """Maximal runs [begin, end) of True in one row of `valid[0]`: one response each (the loss mask's
+    assistant span, cut at packed-document boundaries by `step_valid`)."""
+    spans, begin = [], None
+    for i, ok in enumerate([*starts, False]):
+        if ok and begin is None:
+            begin = i
+        elif not ok and begin is not None:
+            spans.append((begin, i))
+            begin = None
+    return spans
+
+
+def decoding_counts(agree: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Greedy chain acceptance as a decode of each response meets it, not at every position.
+
+    `acceptance_counts` starts a chain at every scored index, so an easy stretch of n tokens counts n times;
+    a decode accepts it in one round and spends most of its rounds where the draft fails, which is why
+    served acceptance sits below that average. This walks each response as the served engine does: the
+    target makes the response's first token itself, so the first round starts at the index after the span's
+    first; a round at index i accepts the j leading agreeing steps and the target adds one token, so the
+    next round starts at i + j + 1. With greedy responses the teacher-forced inputs are the decode's own.
+    agree/valid [K, B, T] -> (rounds accepting positions 0..k, for each k: [K] long; rounds)."""
+    steps = agree.shape[0]
+    leading = torch.cumprod((agree & valid).long(), dim=0).sum(0).cpu()  # [B, T] draft tokens accepted at i
+    counts, rounds = [0] * (steps + 1), 0
+    for row, starts in zip(leading.tolist(), valid[0].cpu().tolist(), strict=True):
+        for begin, end in response_spans(starts):
+            i = begin + 1
+            while i < end:
+                counts[row[i]] += 1
+                rounds += 1
+                i += row[i] + 1
+    at_least = torch.tensor(counts).flip(0).cumsum(0).flip(0)[1:]  # [K]: rounds accepting >= k+1 tokens
+    return at_least, rounds
+
+
 def acceptance_summary(accepted: torch.Tensor, chains: int) -> tuple[float, list[float]]:
     """(simulated acceptance length 1 + E[accepted tokens], per-position acceptance rates) as vLLM
     reports them: position k counts chains whose first k+1 draft tokens were all accepted."""

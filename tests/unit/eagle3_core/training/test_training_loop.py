@@ -74,6 +74,8 @@ def test_training_lowers_loss_and_reports_validation(tmp_path: Path) -> None:
     assert metrics["val_loss_0"] < metrics["initial_val_loss_0"]
     assert metrics["val_top1_0"] > metrics["initial_val_top1_0"]
     assert 1.0 <= metrics["val_acceptance_length"] <= 3.0
+    assert 1.0 <= metrics["val_decode_acceptance_length"] <= 3.0
+    assert metrics["val_decode_accept_rate_0"] >= metrics["val_decode_accept_rate_1"]
 
 
 def test_schedule_and_batches() -> None:

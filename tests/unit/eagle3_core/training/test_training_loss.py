@@ -15,6 +15,7 @@ from eagle3_core.training.loss import (
     TTTObjective,
     acceptance_counts,
     acceptance_summary,
+    decoding_counts,
     fused_soft_cross_entropy_rows,
     step_valid,
 )
@@ -65,6 +66,31 @@ def test_acceptance_counts_stop_at_first_miss() -> None:
     assert accepted.tolist() == [2, 1, 0]  # chain 0 stops at position 2 (sample ended)
     tau, per_position = acceptance_summary(accepted, chains)
     assert per_position == [2 / 3, 1 / 3, 0.0] and abs(tau - 2.0) < 1e-9
+
+
+def chains_of(leading: list[int], starts: list[bool], steps: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """agree/valid [K, 1, T] whose chain at index i accepts exactly leading[i] draft tokens."""
+    agree = torch.tensor([[k < n for n in leading] for k in range(steps)])[:, None]
+    valid = torch.tensor([starts] * steps)[:, None]
+    return agree, valid
+
+
+def test_decoding_counts_walk_rounds_not_positions() -> None:
+    agree, valid = chains_of([3, 2, 0, 3, 1, 0, 0, 2], [True] * 8)
+    # The target makes the first token (index 0's chain is never drafted); rounds at 1, 4, 6, 7 accept 2, 1, 0, 2.
+    accepted, rounds = decoding_counts(agree, valid)
+    assert rounds == 4 and accepted.tolist() == [3, 2, 0]
+    assert acceptance_summary(accepted, rounds)[0] == 2.25
+    every_position = acceptance_summary(*acceptance_counts(agree, valid))[0]
+    assert every_position == 2.375  # the easy stretches counted once per position
+
+
+def test_decoding_counts_walk_each_response_apart() -> None:
+    starts = [True, True, False, False, True, True, True, False]
+    agree, valid = chains_of([1, 1, 0, 0, 3, 0, 2, 0], starts)
+    # Response 1: a round at 1 accepts 1 and runs past its end; response 2: rounds at 5 (0) and 6 (2).
+    accepted, rounds = decoding_counts(agree, valid)
+    assert rounds == 3 and accepted.tolist() == [2, 1, 0]
 
 
 def test_objective_scores_each_step_against_the_shifted_target_row() -> None:
