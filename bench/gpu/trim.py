@@ -1,7 +1,8 @@
 """Repack a wheel for transfer: members stored uncompressed (the payload's zstd then compresses across them,
 vLLM's FlashAttention-3 build 145 MB -> 15 MB against deflate's 36 MB) and, for vLLM 0.26.0, without what a
 dense target does not need on the H200 (DEVICE_NOTES: the FlashAttention-2 build, the Rust front end, two
-vendored kernel trees; FA3's build must stay, vLLM's worker imports it at warm-up). `_moe_C` (39 MB) is
+vendored kernel trees; FA3's build must stay, vLLM's worker imports it at warm-up), and for sglang-kernel
+what SGLang's triton attention backend does not load on an H200 (615 MB -> about 25 MB compressed). `_moe_C` (39 MB) is
 needed for MoE targets only, so it is dropped unless asked for."""
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ TRIMMED_PREFIXES = (
     "vllm/vllm-rs",
     "vllm/third_party/deep_gemm/",
     "vllm/third_party/fmha_sm100/",
+    # sglang-kernel 0.4.4: SGLang's FlashAttention build (1.76 GB, imported only by its fa3 attention backend;
+    # the H200 run uses the triton backend) and the Blackwell build of its common ops.
+    "sgl_kernel/flash_ops.abi3.so",
+    "sgl_kernel/sm100/",
 )
 MOE_KERNELS = "vllm/_moe_C_stable_libtorch.abi3.so"
 

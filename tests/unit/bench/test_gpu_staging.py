@@ -96,6 +96,11 @@ def test_repack_stores_and_trims_with_record_mended(tmp_path: Path) -> None:
         assert ("vllm/_moe_C_stable_libtorch.abi3.so" in names) is expected_moe
         assert ("fa2" in record, "moe" in record) == (False, expected_moe)
     assert is_trimmed("vllm/vllm-rs", keep_moe=True) and not is_trimmed("vllm/vllm_rs.py", keep_moe=False)
+    # SGLang's kernels: its FlashAttention build and Blackwell ops go, the Hopper ops its triton backend uses stay.
+    assert is_trimmed("sgl_kernel/flash_ops.abi3.so", False) and is_trimmed(
+        "sgl_kernel/sm100/common_ops.abi3.so", False
+    )
+    assert not is_trimmed("sgl_kernel/sm90/common_ops.abi3.so", False)
     assert record_without("a,1\nb,2\n", {"a"}) == "b,2\n"
 
 
