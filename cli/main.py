@@ -258,14 +258,15 @@ def sample_command(config: ConfigOption = None, set_: SetOption = None) -> None:
     target = prepare_target(cfg.target, events)
     with rich_progress() as progress:
         sample_set = sample_prompts(cfg, target, events, progress=progress)
+    each = f" x {sample_set.responses_per_prompt} responses" if sample_set.responses_per_prompt > 1 else ""
     console.print(
-        f"{sample_set.prompts} prompts: {sample_set.ok} ok, {sample_set.error} errors, {sample_set.skipped} "
+        f"{sample_set.prompts} prompts{each}: {sample_set.ok} ok, {sample_set.error} errors, {sample_set.skipped} "
         f"skipped; {sample_set.tokens} tokens ({sample_set.loss_tokens} trained); {sample_set.root}",
         highlight=False,
         markup=False,
     )
-    for prompt_id, reason in list(sample_set.errors.items())[:5]:
-        console.print(f"  error {prompt_id}: {reason}", highlight=False, markup=False)
+    for sample, reason in list(sample_set.errors.items())[:5]:
+        console.print(f"  error {sample}: {reason}", highlight=False, markup=False)
 
 
 @command("vocab")

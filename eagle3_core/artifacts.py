@@ -236,13 +236,16 @@ class TargetModel(Manifest):
 
 class SampleSet(Manifest):
     kind: ClassVar[str] = "sample_set"
+    # `responses_per_prompt` is in `config` wherever it is not 1: digests stay those of manifests without it.
+    not_digested: ClassVar[frozenset[str]] = Manifest.not_digested | {"responses_per_prompt"}
     prompts: int = Field(0, description="Prompts asked for.")
+    responses_per_prompt: int = Field(1, description="Responses asked for per prompt, each a row of its own.")
     ok: int = Field(0, description="Rows with a completion.")
     error: int = Field(0, description="Rows whose request failed; reasons in `errors`.")
     skipped: int = Field(0, description="Rows not sent (e.g. prompt longer than the model allows).")
     tokens: int = Field(0, description="Tokens in input_ids over ok rows.")
     loss_tokens: int = Field(0, description="Tokens with loss_mask 1 over ok rows.")
-    errors: dict[str, str] = Field(default_factory=dict, description="Prompt id -> reason, for error rows.")
+    errors: dict[str, str] = Field(default_factory=dict, description="Sample id -> reason, for error rows.")
     target_digest: str = Field("", description="Digest of the TargetModel sampled from.")
     tokenizer_digest: str = Field("", description="The target tokenizer digest that made input_ids.")
 

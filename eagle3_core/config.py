@@ -28,6 +28,8 @@ VLLM: Role = "vllm"  # evaluation only: changes the vLLM measurement (b), not th
 VERDICT: Role = "verdict"  # evaluation only: changes how saved measurements are judged, not the measurements
 PHASE_ROLES = "phases"
 EVERY_PHASE = "*"  # a role for every phase: run_dir and orchestration
+# A field added after runs were keyed: at its default it is left out of every key, so those runs keep theirs.
+UNKEYED_AT_DEFAULT = "unkeyed_at_default"
 
 
 def roles(**by_phase: Role) -> dict[str, Any]:
@@ -41,6 +43,11 @@ def content(*phases: str) -> dict[str, Any]:
 
 def operational(*phases: str) -> dict[str, Any]:
     return roles(**dict.fromkeys(phases, OPERATIONAL))
+
+
+def added_content(*phases: str) -> dict[str, Any]:
+    """`content(*phases)` of a field added after runs were keyed: keyed only where it is not at its default."""
+    return {**content(*phases), UNKEYED_AT_DEFAULT: True}
 
 
 class ConfigError(ValueError):
@@ -236,7 +243,15 @@ class SamplingConfig(Section):
         1.0, gt=0, le=1, description="Nucleus sampling threshold.", json_schema_extra=content("sampling")
     )
     seed: int = Field(
-        0, description="Per-request sampling seed base (prompt index is added).", json_schema_extra=content("sampling")
+        0,
+        description="Per-request sampling seed base (prompt index is added, and 2**32 times the response index).",
+        json_schema_extra=content("sampling"),
+    )
+    responses_per_prompt: int = Field(
+        1,
+        ge=1,
+        description="Responses sampled per prompt, each its own row; more than 1 needs temperature > 0.",
+        json_schema_extra=added_content("sampling"),
     )
     request_timeout_s: float = Field(
         600,
@@ -259,6 +274,15 @@ class SamplingConfig(Section):
         description="First retry delay of a failed request; doubles with every retry.",
         json_schema_extra=operational("sampling"),
     )
+
+    @model_validator(mode="after")
+    def _several_responses_need_sampling(self) -> SamplingConfig:
+        if self.responses_per_prompt > 1 and self.temperature == 0:
+            raise ValueError(
+                f"sampling.responses_per_prompt {self.responses_per_prompt} needs sampling.temperature > 0: "
+                "greedy decoding (temperature 0) gives the same response every time"
+            )
+        return self
 
 
 class ExtractionConfig(Section):

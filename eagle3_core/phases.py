@@ -18,6 +18,7 @@ from eagle3_core.config import (
     EVERY_PHASE,
     INPUT,
     PHASE_ROLES,
+    UNKEYED_AT_DEFAULT,
     VERDICT,
     VLLM,
     PipelineConfig,
@@ -67,10 +68,14 @@ def config_fields(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> 
             yield f"{prefix}{name}", info
 
 
+def marked(info: FieldInfo) -> dict[str, Any]:
+    """The field's `json_schema_extra` (its marks), {} where it has none."""
+    return info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+
+
 def marked_roles(info: FieldInfo) -> dict[str, Role]:
     """Phase name -> role, as the field's `json_schema_extra` marks it."""
-    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-    return dict(extra.get(PHASE_ROLES) or {})  # type: ignore[arg-type]
+    return dict(marked(info).get(PHASE_ROLES) or {})  # type: ignore[arg-type]
 
 
 @cache
@@ -80,20 +85,29 @@ def field_roles(phase: str) -> dict[str, Role]:
     return {path: role for path, by_phase in marked if (role := by_phase.get(phase, by_phase.get(EVERY_PHASE)))}
 
 
+@cache
+def unkeyed_defaults() -> dict[str, Any]:
+    """Dotted path -> default of every field marked UNKEYED_AT_DEFAULT (`config.added_content`)."""
+    return {path: info.default for path, info in config_fields() if marked(info).get(UNKEYED_AT_DEFAULT)}
+
+
 def keyed_fields(config: PipelineConfig, phase: str, keyed: tuple[Role, ...] = (CONTENT,)) -> dict[str, Any]:
     """The values of `phase`'s fields whose role is in `keyed`, as {section: {field: value}} (top-level
     fields as {field: value}), with `auto` compute dtypes resolved as this host runs them: `auto` and the
-    dtype it stands for share every key."""
+    dtype it stands for share every key. A field added after runs were keyed is left out at its default
+    (`unkeyed_defaults`), so the keys of those runs stay what they were."""
     data = with_resolved_dtypes(config.model_dump(mode="json"), config)
+    defaults = unkeyed_defaults()
     selected: dict[str, Any] = {}
     for path, role in field_roles(phase).items():
-        if role not in keyed:
-            continue
         section, _, name = path.rpartition(".")
+        value = data[section][name] if section else data[name]
+        if role not in keyed or (path in defaults and value == defaults[path]):
+            continue
         if section:
-            selected.setdefault(section, {})[name] = data[section][name]
+            selected.setdefault(section, {})[name] = value
         else:
-            selected[name] = data[name]
+            selected[name] = value
     return selected
 
 

@@ -20,7 +20,7 @@ from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.files import atomic_path
 from eagle3_core.phases import VOCAB, phase_key
 from eagle3_core.run_layout import RunLayout
-from eagle3_core.sampling.table import is_heldout, iter_rows
+from eagle3_core.sampling.table import iter_rows, row_heldout
 
 PHASE = VOCAB.name
 TENSOR_FILE = "vocab_map.safetensors"
@@ -112,7 +112,7 @@ def build_vocab_map(config: PipelineConfig, sample_set: SampleSet, target: Targe
     if cached is not None:
         events.record(PHASE, CACHE_HIT, f"vocab map at {out_dir} matches its inputs", digest=cached.digest)
         return cached
-    rows = (r for r in iter_rows(sample_set, "ok") if not is_heldout(r["id"], config.sampling.holdout_fraction))
+    rows = (r for r in iter_rows(sample_set, "ok") if not row_heldout(r, config.sampling.holdout_fraction))
     counts = count_loss_tokens(rows, target.vocab_size)
     d2t, t2d = mapping_tensors(select_draft_tokens(counts, cfg["draft_vocab_size"]), target.vocab_size)
     tensor_path = out_dir / TENSOR_FILE

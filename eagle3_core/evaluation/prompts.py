@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_core.artifacts import SampleSet
-from eagle3_core.sampling.table import is_heldout, iter_rows
+from eagle3_core.sampling.table import iter_rows, row_heldout
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block."
 
@@ -62,23 +62,26 @@ def humaneval_prompts(max_prompts: int | None = None) -> list[EvalPrompt]:
 
 def _as_prompt(row: dict[str, Any], prompt_set: str) -> EvalPrompt:
     return EvalPrompt(
-        id=row["id"],
+        id=row["prompt_id"],
         prompt_set=prompt_set,
         messages=tuple((m["role"], m["content"]) for m in row["messages"]),
     )
 
 
 def holdout_prompts(sample_set: SampleSet, fraction: float, max_prompts: int | None = None) -> list[EvalPrompt]:
-    """Rows of the SampleSet that `is_heldout` keeps out of training (ok rows only: an error row's
-    prompt never reached the target, so nothing says it fits the model's context)."""
-    rows = (r for r in iter_rows(sample_set, status="ok") if is_heldout(r["id"], fraction))
-    prompts = [_as_prompt(row, "holdout") for row in rows]
-    return prompts[:max_prompts]
+    """Prompts of the SampleSet that `is_heldout` keeps out of training, each once however many responses
+    it has (from its first ok row: an error row's prompt never reached the target, so nothing says it fits
+    the model's context)."""
+    prompts: dict[str, EvalPrompt] = {}
+    for row in iter_rows(sample_set, status="ok"):
+        if row_heldout(row, fraction):
+            prompts.setdefault(row["prompt_id"], _as_prompt(row, "holdout"))
+    return list(prompts.values())[:max_prompts]
 
 
 def training_prompts(sample_set: SampleSet, fraction: float) -> list[EvalPrompt]:
     """Rows the later phases train on: ok and not held out."""
-    return [_as_prompt(r, "training") for r in iter_rows(sample_set, status="ok") if not is_heldout(r["id"], fraction)]
+    return [_as_prompt(r, "training") for r in iter_rows(sample_set, status="ok") if not row_heldout(r, fraction)]
 
 
 def _normalise(text: str) -> str:

@@ -38,7 +38,7 @@ from eagle3_core.hosts import host_slice, in_slice
 from eagle3_core.phases import EXTRACTION, phase_key
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.run_layout import RunLayout
-from eagle3_core.sampling.table import is_heldout, iter_rows
+from eagle3_core.sampling.table import iter_rows, row_heldout
 
 PHASE = EXTRACTION.name
 DONE_SUFFIX = ".done.json"
@@ -57,9 +57,7 @@ def upstream_of(sample_set: SampleSet, target: TargetModel) -> dict[str, str]:
 def training_rows(sample_set: SampleSet, holdout_fraction: float) -> list[SampleRow]:
     """Ok rows that are not held out for evaluation, in the SampleSet's order."""
     return [
-        row
-        for row in iter_rows(sample_set, status="ok")
-        if row["input_ids"] and not is_heldout(row["id"], holdout_fraction)
+        row for row in iter_rows(sample_set, status="ok") if row["input_ids"] and not row_heldout(row, holdout_fraction)
     ]
 
 
@@ -284,6 +282,14 @@ def run_shards(
     )
 
 
+def index_entry(row: SampleRow, shard: str, position: int, tokens: int) -> dict[str, Any]:
+    """A sample's line in the index: where its states live, and its prompt where the sample is not that
+    prompt's first response (the training validation split is by prompt); an index of one response per
+    prompt is as it always was."""
+    entry = {"id": row["id"], "shard": shard, "position": position, "tokens": tokens}
+    return entry if row["prompt_id"] == row["id"] else {**entry, "prompt": row["prompt_id"]}
+
+
 def build_manifest(
     out_dir: Path, shards: list[list[SampleRow]], keys: list[str], cfg: dict, upstream: dict, target: TargetModel
 ) -> HiddenStateSet:
@@ -299,10 +305,8 @@ def build_manifest(
         stored = [sid for sid, _ in record["samples"]]
         if stored != expected:
             raise ArtifactInvalid(f"{out_dir / shard_name(i)}: holds samples {stored[:3]}..., not the plan's")
-        index += [
-            {"id": sid, "shard": shard_name(i), "position": p, "tokens": n}
-            for p, (sid, n) in enumerate(record["samples"])
-        ]
+        lengths = [n for _, n in record["samples"]]
+        index += [index_entry(row, shard_name(i), p, lengths[p]) for p, row in enumerate(shards[i])]
     return indexed_set(out_dir, files, index, cfg, upstream, target)
 
 

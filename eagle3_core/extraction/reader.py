@@ -25,18 +25,22 @@ INDEX_FILE = "index.json"
 
 @dataclass(frozen=True)
 class IndexEntry:
-    """Where one sample's states live: shard file (relative to the set's root), position, token count."""
+    """Where one sample's states live: shard file (relative to the set's root), position, token count;
+    and the prompt it answers (its own id where the index names none: the prompt's first response)."""
 
     sample_id: str
     shard: str
     position: int
     tokens: int
+    prompt_id: str
 
 
 def load_index(hidden_states: HiddenStateSet) -> list[IndexEntry]:
     """The set's samples in stored order."""
     data = json.loads(hidden_states.path_of(INDEX_FILE).read_text())
-    return [IndexEntry(e["id"], e["shard"], e["position"], e["tokens"]) for e in data["samples"]]
+    return [
+        IndexEntry(e["id"], e["shard"], e["position"], e["tokens"], e.get("prompt", e["id"])) for e in data["samples"]
+    ]
 
 
 def pack(lengths: list[int], max_length: int) -> list[list[int]]:
@@ -62,11 +66,12 @@ class HiddenStateDataset(Dataset):
 
     Item: `aux` [T, 3, H] float32, `last` [T, H] float32, `input_ids` [T] long, `loss_mask` [T] bool,
     `position_ids` [T] long (0 at each sample's start), `document_ids` [T] long (0, 1, ... within the item),
-    with T <= max_length. `sample_ids` lists every sample of the set in stored order (for train/validation
-    splits); `sample_ids=` restricts the dataset to those ids, in that order. `truncated` counts samples
-    longer than `max_length` (kept, cut to `max_length`). `dequantize=False`: `aux`/`last` as stored (bf16,
-    or fp8 with `aux_scale` [T, 3] / `last_scale` [T]), for the training loop to dequantise on its device
-    (`dequantize_states`: the same float32 values, from a half or quarter of the bytes to copy).
+    with T <= max_length. `sample_ids` lists every sample of the set in stored order, `prompt_ids` the prompt
+    of each (for train/validation splits by prompt); `sample_ids=` restricts the dataset to those ids, in
+    that order. `truncated` counts samples longer than `max_length` (kept, cut to `max_length`).
+    `dequantize=False`: `aux`/`last` as stored (bf16, or fp8 with `aux_scale` [T, 3] / `last_scale` [T]), for
+    the training loop to dequantise on its device (`dequantize_states`: the same float32 values, from a half
+    or quarter of the bytes to copy).
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class HiddenStateDataset(Dataset):
         self.dequantize = dequantize
         entries = load_index(hidden_states)
         self.sample_ids = [e.sample_id for e in entries]
+        self.prompt_ids = [e.prompt_id for e in entries]
         by_id = {e.sample_id: e for e in entries}
         if sample_ids is not None:
             missing = [s for s in sample_ids if s not in by_id]

@@ -75,6 +75,7 @@ class SampleRow(TypedDict):
     columns are not read)."""
 
     id: str
+    prompt_id: str
     input_ids: list[int]
     loss_mask: list[int]
 

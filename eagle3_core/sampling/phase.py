@@ -7,8 +7,12 @@ engine that dies aborts it at once, before any retry is spent and without an err
 flight (those prompts are not the cause, and an error row would count as done on resume): the phase fails
 with `SamplingAborted` (an `EngineDied`, transient) naming how the engine ended and its log's last lines.
 Rows are written as Parquet parts as they complete, so a crash loses at most one part; a re-run keeps the
-ok rows and samples only the rest (errors are retried). Every prompt ends as exactly one row: ok, error
-(with its reason) or skipped (too long for the model).
+ok rows and samples only the rest (errors are retried). Every response (`sampling.responses_per_prompt` of
+each prompt, one request each) ends as exactly one row: ok, error (with its reason) or skipped (too long for
+the model). A request's seed is `seed` + the prompt's index + RESPONSE_SEED_STRIDE * the response's index:
+the same in every run, whatever else is sampled, so a re-run resumes per response. Separate requests rather
+than OpenAI's `n` (vLLM 0.32 seeds its n children `seed + child index`, the seeds of the next prompts) keep
+seeds apart and let a response that failed be sampled again alone.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -30,6 +35,7 @@ from eagle3_core.sampling.chat_tokens import ChatTokenizer, split_reasoning
 from eagle3_core.sampling.preflight import preflight_sampling
 from eagle3_core.sampling.prompts import Prompt, load_prompts
 from eagle3_core.sampling.store import PartWriter, SampleStore
+from eagle3_core.sampling.table import sample_id
 from eagle3_core.serving.engine import (
     ENGINE_EXIT_WAIT_S,
     EngineDied,
@@ -42,6 +48,7 @@ from eagle3_core.serving.engine import (
 from eagle3_core.serving.shared import SharedServer, running_server
 
 PHASE = SAMPLING.name
+RESPONSE_SEED_STRIDE = 2**32  # seeds of response r > 0 lie above those of the first responses of 2**32 prompts
 
 
 class SamplingAborted(EngineDied):
@@ -56,6 +63,31 @@ class RequestFailed(Exception):
         super().__init__(reason)
         self.unreachable = unreachable
         self.rejected = rejected
+
+
+@dataclass(frozen=True)
+class Work:
+    """One request to make: response `response` of the prompt at `index` among every prompt."""
+
+    index: int
+    prompt: Prompt
+    response: int
+
+    @property
+    def sample_id(self) -> str:
+        return sample_id(self.prompt.id, self.response)
+
+
+def response_seed(base: int, index: int, response: int) -> int:
+    """The request seed of response `response` of the prompt at `index`; `base + index` for the first."""
+    return base + index + RESPONSE_SEED_STRIDE * response
+
+
+def pending_work(every_prompt: list[Prompt], todo: set[str], responses: int) -> list[Work]:
+    """The requests whose sample ids are in `todo`, in prompt order (a prompt's responses together); a
+    prompt's index is its place among every prompt, whichever host samples it."""
+    work = (Work(i, p, r) for i, p in enumerate(every_prompt) for r in range(responses))
+    return [w for w in work if w.sample_id in todo]
 
 
 def headers(api_key: str | None) -> dict[str, str]:
@@ -159,12 +191,19 @@ class Sampler:
             return f"prompt has {length} tokens; server.max_model_len is {self.max_model_len}", 0
         return None, min(self.config.max_tokens, room)
 
-    async def sample_one(self, client: httpx.AsyncClient, model: str, index: int, prompt: Prompt) -> dict[str, Any]:
-        row: dict[str, Any] = {"id": prompt.id, "messages": prompt.messages}
+    async def sample_one(self, client: httpx.AsyncClient, model: str, work: Work) -> dict[str, Any]:
+        prompt = work.prompt
+        row: dict[str, Any] = {
+            "id": work.sample_id,
+            "prompt_id": prompt.id,
+            "response_index": work.response,
+            "messages": prompt.messages,
+        }
         reason, max_tokens = self.skip_reason(prompt)
         if reason:
             return {**row, "status": "skipped", "error": reason}
-        body = request_body(model, prompt, self.config, self.config.seed + index, max_tokens)
+        seed = response_seed(self.config.seed, work.index, work.response)
+        body = request_body(model, prompt, self.config, seed, max_tokens)
         try:
             answer = await post_with_retry(
                 client,
@@ -193,10 +232,10 @@ class Sampler:
         if failure.unreachable:
             raise SamplingAborted(f"server {self.base_url} unreachable: {failure}") from None
 
-    async def run(self, work: list[tuple[int, Prompt]], on_row: Callable[[dict[str, Any]], None]) -> None:
-        """Sample `work` ((prompt index, prompt) pairs) with `config.concurrency` requests in flight;
-        `on_row` gets each row as it completes. The first SamplingAborted cancels the rest."""
-        queue: asyncio.Queue[tuple[int, Prompt]] = asyncio.Queue()
+    async def run(self, work: list[Work], on_row: Callable[[dict[str, Any]], None]) -> None:
+        """Sample `work` with `config.concurrency` requests in flight; `on_row` gets each row as it
+        completes. The first SamplingAborted cancels the rest."""
+        queue: asyncio.Queue[Work] = asyncio.Queue()
         for item in work:
             queue.put_nowait(item)
         limits = httpx.Limits(max_connections=self.config.concurrency)
@@ -206,8 +245,7 @@ class Sampler:
 
             async def worker() -> None:
                 while not queue.empty():
-                    index, prompt = queue.get_nowait()
-                    on_row(await self.sample_one(client, model, index, prompt))
+                    on_row(await self.sample_one(client, model, queue.get_nowait()))
 
             tasks = [asyncio.create_task(worker()) for _ in range(min(self.config.concurrency, len(work)))]
             try:
@@ -255,22 +293,22 @@ def sample_prompts(
     progress: ProgressCallback = ignore_progress,
     server: VllmServer | ExternalServer | SharedServer | None = None,
 ) -> SampleSet:
-    """Sample every prompt (of this host's slice, `orchestration.host`) once, resuming from rows already
-    written; see the module docstring. A SharedServer is started only when there is something to sample."""
+    """Sample every prompt (of this host's slice, `orchestration.host`) `sampling.responses_per_prompt`
+    times, resuming from rows already written; see the module docstring. A SharedServer is started only when
+    there is something to sample."""
     every_prompt = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
     part = host_slice(config)
     prompts = [p for p in every_prompt if in_slice(part, p.id)]
     store = SampleStore.of_run(config, target, prompts, events)
     if cached := store.cached():
         return cached
-    wanted = {p.id for p in prompts}
+    wanted = set(store.sample_ids(prompts))
     todo = wanted - store.resume(wanted)
-    # A prompt's index (its request seed) is its place among every prompt, whichever host samples it.
-    work = [(i, p) for i, p in enumerate(every_prompt) if p.id in todo]
+    work = pending_work(every_prompt, todo, config.sampling.responses_per_prompt)
     if work:
         preflight_sampling(config, target, store.out_dir, len(work), server is None, events)
         writer = store.writer(config.sampling.rows_per_part)
-        counts = RowProgress(progress, len(wanted) - len(todo), len(prompts))
+        counts = RowProgress(progress, len(wanted) - len(todo), len(wanted))
         try:
             if server is None:
                 with open_server(config.server, target.root, config.run_dir, events, progress, PHASE, part) as own:
@@ -286,7 +324,7 @@ def sample_with(
     server: VllmServer | ExternalServer,
     config: PipelineConfig,
     target: TargetModel,
-    work: list[tuple[int, Prompt]],
+    work: list[Work],
     writer: PartWriter,
     counts: RowProgress,
     events: RunEvents,
@@ -314,7 +352,7 @@ def sample_with(
         events.record(
             PHASE,
             DECISION,
-            f"aborted after {sampled} of {len(work)} prompts, their rows kept, {len(work) - sampled} left "
+            f"aborted after {sampled} of {len(work)} requests, their rows kept, {len(work) - sampled} left "
             f"for a re-run: {str(exc).splitlines()[0]}",
             sampled=sampled,
             left=len(work) - sampled,
@@ -325,9 +363,9 @@ def sample_with(
     events.record(
         PHASE,
         DECISION,
-        f"sampled {len(work)} prompts in {seconds:.0f} s: {counts.errors} errors, "
+        f"sampled {len(work)} requests in {seconds:.0f} s: {counts.errors} errors, "
         f"{counts.meter.rate(counts.tokens):.0f} completion tokens/s",
-        prompts=len(work),
+        prompts=len(work),  # requests, one per response (the name older event logs have)
         errors=counts.errors,
         completion_tokens=counts.tokens,
         seconds=seconds,

@@ -9,8 +9,9 @@ start it saves outweighs the slower sampling on a server that carries the hidden
   server was healthy), else a fixed start-up cost, `extraction.reuse_engine_start_s`, plus the size of its
   weights on disk at `extraction.reuse_load_gb_per_s` (the weights alone said 1 s for SmolLM2, whose engine
   took 61 s to be healthy on 2 cores);
-- `sampling_s`: the prompts still to sample at the seconds per prompt of the last sampling run recorded in
-  events.jsonl, else at `sampling.max_tokens` tokens each and `extraction.reuse_generation_tokens_per_s`;
+- `sampling_s`: the requests still to make (responses without an ok row) at the seconds per request of the
+  last sampling run recorded in events.jsonl, else at `sampling.max_tokens` tokens each and
+  `extraction.reuse_generation_tokens_per_s`;
 - `penalty`: `extraction.reuse_generation_penalty`, the share of generation tokens/s the connector costs.
 
 The choice is recorded with these numbers as one DECISION line in events.jsonl.
@@ -70,8 +71,9 @@ def last_engine_start_s(events: list[dict[str, Any]], model_dir: Path) -> float 
     return float(loads[-1].get("startup_s", loads[-1]["seconds"]))
 
 
-def last_seconds_per_prompt(events: list[dict[str, Any]]) -> float | None:
-    """Seconds per prompt of the last sampling run in the event log, else None."""
+def last_seconds_per_request(events: list[dict[str, Any]]) -> float | None:
+    """Seconds per request (one response; the line's `prompts`) of the last sampling run in the event log,
+    else None."""
     runs = [e for e in events if e["phase"] == PHASE and e["event"] == DECISION and e.get("prompts")]
     return runs[-1]["seconds"] / runs[-1]["prompts"] if runs else None
 
@@ -80,11 +82,12 @@ def weights_bytes(model_dir: Path) -> int:
     return sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
 
 
-def pending_prompts(config: PipelineConfig, target: TargetModel) -> int:
-    """Prompts without an ok row in `<run_dir>/samples` made with the same target and parameters."""
+def pending_requests(config: PipelineConfig, target: TargetModel) -> int:
+    """Responses without an ok row in `<run_dir>/samples` made with the same target and parameters."""
     prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
-    ok = SampleStore.of_run(config, target, prompts, RunEvents(config.run_dir)).ok_ids()
-    return sum(p.id not in ok for p in prompts)
+    store = SampleStore.of_run(config, target, prompts, RunEvents(config.run_dir))
+    ok = store.ok_ids()
+    return sum(sample not in ok for sample in store.sample_ids(prompts))
 
 
 def estimate_reuse(config: PipelineConfig, target: TargetModel, events: list[dict[str, Any]]) -> ReuseEstimate:
@@ -100,18 +103,18 @@ def estimate_reuse(config: PipelineConfig, target: TargetModel, events: list[dic
             f"(extraction.reuse_engine_start_s) + {size / 1e9:.2f} GB of weights at "
             f"{extraction.reuse_load_gb_per_s} GB/s"
         )
-    pending = pending_prompts(config, target)
-    per_prompt = last_seconds_per_prompt(events)
-    if per_prompt is not None:
-        sampling_source = f"{pending} prompts at {per_prompt:.2f} s each (last sampling run)"
+    pending = pending_requests(config, target)
+    per_request = last_seconds_per_request(events)
+    if per_request is not None:
+        sampling_source = f"{pending} requests at {per_request:.2f} s each (last sampling run)"
     else:
-        per_prompt = config.sampling.max_tokens / extraction.reuse_generation_tokens_per_s
+        per_request = config.sampling.max_tokens / extraction.reuse_generation_tokens_per_s
         sampling_source = (
-            f"{pending} prompts of {config.sampling.max_tokens} tokens at "
+            f"{pending} requests of {config.sampling.max_tokens} tokens at "
             f"{extraction.reuse_generation_tokens_per_s:.0f} tokens/s"
         )
     penalty = extraction.reuse_generation_penalty
-    return ReuseEstimate(load_s, load_source, pending * per_prompt, sampling_source, penalty)
+    return ReuseEstimate(load_s, load_source, pending * per_request, sampling_source, penalty)
 
 
 def reuse_supported(config: PipelineConfig) -> bool:

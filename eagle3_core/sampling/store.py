@@ -1,10 +1,13 @@
-"""The samples folder on disk: Parquet parts written as rows complete, resume by prompt id, and the final
-accounting into a `SampleSet` manifest.
+"""The samples folder on disk: Parquet parts written as rows complete, resume by sample id (a prompt's id,
+and its response's index past the first: `table.sample_id`), and the final accounting into a `SampleSet`
+manifest.
 
-A re-run keeps the ok rows of earlier runs and samples every other prompt again (an error may have been
-a passing fault); rows of prompts no longer asked for are dropped so that ok + error + skipped always
-equals the prompts. Rows made for another target or other sampling parameters are never mixed in: the
-folder's run key (target digest, parameters) is compared first.
+A re-run keeps the ok rows of earlier runs and samples every other response again (an error may have been
+a passing fault); rows no longer asked for are dropped so that ok + error + skipped always equals the
+prompts times `sampling.responses_per_prompt`. Rows made for another target or other sampling parameters
+are never mixed in: the folder's run key (target digest, parameters) is compared first; the prompt set and
+the number of responses per prompt are not part of it (a response is the same request however many are
+asked for), so more responses or prompts cost only the new rows.
 
 `SampleStore` is sampling's one resume API: `cached()` (the finished set, reused whole), `resume(wanted)`
 (keep the ok rows, return their ids), `writer()` (new rows as parts), `finish()` (the manifest), and the
@@ -30,7 +33,7 @@ from eagle3_core.hosts import check_each_once, every_slice
 from eagle3_core.phases import SAMPLING, phase_key
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.prompts import Prompt, load_prompts
-from eagle3_core.sampling.table import read_part, write_part
+from eagle3_core.sampling.table import read_part, sample_id, write_part
 
 KEY_FILE = "run_key.json"
 PART_GLOB = "part-*.parquet"
@@ -52,9 +55,18 @@ def run_key(config: PipelineConfig, target: TargetModel, prompts: list[Prompt]) 
     }
 
 
+def responses_per_prompt(key: dict[str, Any]) -> int:
+    """`sampling.responses_per_prompt` of a run key (which leaves it out at its default, 1)."""
+    return key.get("sampling", {}).get("responses_per_prompt", 1)
+
+
 def row_key(key: dict[str, Any]) -> dict[str, Any]:
-    """The part of the run key that rows already written must share to be kept (not the prompt set)."""
-    return {k: v for k, v in key.items() if k != "prompts"}
+    """The part of the run key that rows already written must share to be kept: not the prompt set, nor
+    the number of responses per prompt."""
+    rows = {k: v for k, v in key.items() if k != "prompts"}
+    if "sampling" in rows:
+        rows["sampling"] = {k: v for k, v in rows["sampling"].items() if k != "responses_per_prompt"}
+    return rows
 
 
 def is_legacy_key(stored: dict[str, Any], key: dict[str, Any]) -> bool:
@@ -138,6 +150,7 @@ class SampleStore:
 
     def __init__(self, out_dir: Path, key: dict[str, Any], events: RunEvents, phase: str = "sampling"):
         self.out_dir, self.key, self.events, self.phase = out_dir, key, events, phase
+        self.responses = responses_per_prompt(key)
 
     @classmethod
     def of_run(
@@ -163,6 +176,10 @@ class SampleStore:
         self.events.record(phase, CACHE_HIT, f"{sample_set.ok} samples at {out_dir} reused", digest=sample_set.digest)
         return sample_set
 
+    def sample_ids(self, prompts: list[Prompt]) -> list[str]:
+        """The ids of the rows `prompts` make: each prompt's responses in turn."""
+        return [sample_id(p.id, r) for p in prompts for r in range(self.responses)]
+
     def ok_ids(self) -> set[str]:
         """Ids of the ok rows already in the folder for this run key (none when its rows were made with
         another target or other parameters); reads only the id and status columns, changes nothing."""
@@ -176,8 +193,8 @@ class SampleStore:
         return ok
 
     def resume(self, wanted: set[str]) -> set[str]:
-        """Leave only ok rows of wanted prompts in the parts (rewriting parts atomically) and return their
-        ids. Parts of another run key are removed."""
+        """Leave only ok rows of `wanted` sample ids in the parts (rewriting parts atomically) and return
+        their ids. Parts of another run key are removed."""
         out_dir, phase, events = self.out_dir, self.phase, self.events
         out_dir.mkdir(parents=True, exist_ok=True)
         for leftover in out_dir.glob(".part-*.tmp-*"):
@@ -210,7 +227,7 @@ class SampleStore:
             events.record(
                 phase,
                 RESUME,
-                f"resuming: {len(kept)} ok rows kept, {len(wanted) - len(kept)} prompts to sample",
+                f"resuming: {len(kept)} ok rows kept, {len(wanted) - len(kept)} rows to sample",
                 kept=len(kept),
                 dropped=dict(dropped),
             )
@@ -221,12 +238,12 @@ class SampleStore:
         return PartWriter(self.out_dir, rows_per_part)
 
     def finish(self, target: TargetModel, prompts: list[Prompt], parts: list[Path] | None = None) -> SampleSet:
-        """Count every row of `parts` (default: the folder's own), check that each prompt has exactly one
-        (`SlicesMismatch` naming the ids otherwise), and save the manifest."""
+        """Count every row of `parts` (default: the folder's own), check that each response of each prompt
+        has exactly one (`SlicesMismatch` naming the ids otherwise), and save the manifest."""
         out_dir, key = self.out_dir, self.key
         parts = sorted(out_dir.glob(PART_GLOB)) if parts is None else parts
         tally = tally_parts(parts)
-        check_each_once((p.id for p in prompts), tally.ids.elements(), f"samples at {out_dir}")
+        check_each_once(self.sample_ids(prompts), tally.ids.elements(), f"samples at {out_dir}")
         status = tally.status
         sample_set = SampleSet(
             root=str(out_dir),
@@ -234,6 +251,7 @@ class SampleStore:
             config=key,
             upstream={"target": target.digest},
             prompts=len(prompts),
+            responses_per_prompt=self.responses,
             ok=status["ok"],
             error=status["error"],
             skipped=status["skipped"],
@@ -249,7 +267,7 @@ class SampleStore:
 
 def merge_slices(config: PipelineConfig, target: TargetModel, events: RunEvents) -> SampleSet:
     """The one SampleSet of a run sampled by `orchestration.hosts` hosts: every host's finished slice (of
-    these settings), its parts recorded under `<run_dir>/samples`; each prompt exactly once."""
+    these settings), its parts recorded under `<run_dir>/samples`; each response of each prompt exactly once."""
     prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
     store = SampleStore.of_run(config, target, prompts, events)
     parts: list[Path] = []

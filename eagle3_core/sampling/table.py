@@ -1,8 +1,10 @@
-"""The on-disk form of a `SampleSet`: Parquet parts with one row per prompt, written atomically.
+"""The on-disk form of a `SampleSet`: Parquet parts with one row per response (`sampling.responses_per_prompt`
+of each prompt), written atomically.
 
-Sampling writes the rows; extraction, vocab mapping and evaluation read them. `input_ids` is the whole
-conversation rendered with the target's chat template; `loss_mask` is 1 on assistant tokens (reasoning
-included), the only tokens a draft is trained to predict.
+Sampling writes the rows; extraction, vocab mapping and evaluation read them. A row's `id` is its sample id
+(`sample_id`: the prompt's id for its first response), `prompt_id` and `response_index` say which prompt and
+which of its responses it is. `input_ids` is the whole conversation rendered with the target's chat template;
+`loss_mask` is 1 on assistant tokens (reasoning included), the only tokens a draft is trained to predict.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ SCHEMA = pa.schema(
         ("completion_tokens", pa.int32()),
         ("input_ids", pa.list_(pa.int32())),
         ("loss_mask", pa.list_(pa.int8())),
+        ("prompt_id", pa.string()),
+        ("response_index", pa.int32()),
     ]
 )
 DEFAULTS: dict[str, Any] = {
@@ -45,14 +49,22 @@ DEFAULTS: dict[str, Any] = {
     "completion_tokens": 0,
     "input_ids": [],
     "loss_mask": [],
+    "response_index": 0,
 }
 
 
+def sample_id(prompt_id: str, response: int) -> str:
+    """The id of a prompt's response number `response` (from 0): the prompt's own id for the first, so a run
+    of one response per prompt keeps the ids it always had; `<prompt id>#<response>` for the others."""
+    return prompt_id if response == 0 else f"{prompt_id}#{response}"
+
+
 def normalise_row(row: dict[str, Any]) -> dict[str, Any]:
-    """Fill defaults and serialise `messages` (a list of chat messages) as JSON."""
+    """Fill defaults (a row without `prompt_id` is the first response of the prompt of its id) and
+    serialise `messages` (a list of chat messages) as JSON."""
     if row.get("status") not in STATUSES:
         raise ValueError(f"row {row.get('id')!r}: status must be one of {STATUSES}, got {row.get('status')!r}")
-    out = {**DEFAULTS, **row}
+    out = {**DEFAULTS, "prompt_id": row.get("id"), **row}
     if not isinstance(out["messages"], str):
         out["messages"] = json.dumps(out["messages"], ensure_ascii=False)
     if len(out["input_ids"]) != len(out["loss_mask"]):
@@ -69,9 +81,13 @@ def write_part(rows: list[dict[str, Any]], path: Path) -> Path:
 
 
 def read_part(path: Path) -> list[dict[str, Any]]:
+    """The rows of one part; a part written before rows recorded their prompt (no `prompt_id` column) holds
+    one response per prompt: its rows read as response 0 of the prompt of their id."""
     rows = pq.read_table(path, schema=SCHEMA).to_pylist()
     for row in rows:
         row["messages"] = json.loads(row["messages"])
+        if row["prompt_id"] is None:
+            row["prompt_id"], row["response_index"] = row["id"], 0
     return rows
 
 
@@ -84,8 +100,13 @@ def iter_rows(sample_set: SampleSet, status: str | None = "ok") -> Iterator[dict
                     yield row
 
 
-def is_heldout(sample_id: str, fraction: float) -> bool:
+def is_heldout(prompt_id: str, fraction: float) -> bool:
     """Deterministic held-out split by prompt id: the same prompt is held out in every run and phase,
     so evaluation never measures on a prompt the draft was trained on."""
-    bucket = int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "big") / 2**64
+    bucket = int.from_bytes(hashlib.sha256(prompt_id.encode()).digest()[:8], "big") / 2**64
     return bucket < fraction
+
+
+def row_heldout(row: dict[str, Any], fraction: float) -> bool:
+    """Whether a row's prompt is held out (`is_heldout`): every response of a held-out prompt is."""
+    return is_heldout(row["prompt_id"], fraction)

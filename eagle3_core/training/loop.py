@@ -49,10 +49,15 @@ Dataset = Sequence[dict[str, torch.Tensor]]
 REPORT_INTERVAL_S = 1.0
 
 
-def split_validation(sample_ids: list[str], fraction: float) -> tuple[list[str], list[str]]:
-    """Deterministic train/validation split by sample id. Salted: the unsalted hash already decided the
-    evaluation hold-out (`sampling.holdout_fraction`), and those samples were never extracted."""
-    validation = [s for s in sample_ids if is_heldout(f"draft-validation:{s}", fraction)]
+def split_validation(
+    sample_ids: list[str], fraction: float, prompt_ids: list[str] | None = None
+) -> tuple[list[str], list[str]]:
+    """Deterministic train/validation split by prompt: `prompt_ids[i]` is the prompt of `sample_ids[i]`
+    (None: each sample is its own prompt), and every response of a prompt lands on one side. Salted: the
+    unsalted hash already decided the evaluation hold-out (`sampling.holdout_fraction`), and those samples
+    were never extracted."""
+    prompts = sample_ids if prompt_ids is None else prompt_ids
+    validation = [s for s, p in zip(sample_ids, prompts, strict=True) if is_heldout(f"draft-validation:{p}", fraction)]
     chosen = set(validation)
     return [s for s in sample_ids if s not in chosen], validation
 

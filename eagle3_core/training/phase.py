@@ -145,7 +145,7 @@ def train_draft(
     draft = build_draft(config, target, draft_config, d2t, t2d)
     head = TargetHead.from_target(target.root_path, t2d, d2t, hidden_states.last_state_normed, target_rms_eps(target))
     everything = HiddenStateDataset(hidden_states, tc.max_length)
-    train_ids, val_ids = split_validation(everything.sample_ids, tc.holdout_fraction)
+    train_ids, val_ids = split_validation(everything.sample_ids, tc.holdout_fraction, everything.prompt_ids)
     # States as stored (bf16 / fp8): the loop copies them to its device and dequantises them there.
     train_data = HiddenStateDataset(hidden_states, tc.max_length, train_ids, dequantize=False)
     val_data = HiddenStateDataset(hidden_states, tc.max_length, val_ids, dequantize=False) if val_ids else None

@@ -10,7 +10,7 @@ import torch
 
 from eagle3_core.artifacts import HiddenStateSet, SampleSet, record_files
 from eagle3_core.extraction.reader import HiddenStateDataset
-from eagle3_core.sampling.table import write_part
+from eagle3_core.sampling.table import sample_id, write_part
 
 PROMPTS = [
     ("What is the capital of France?", "The capital of France is Paris."),
@@ -38,8 +38,11 @@ def render(tokenizer, prompt: str, response: str) -> tuple[list[int], list[int]]
     return ids, [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids))
 
 
-def build_sample_set(root: Path, tokenizer_dir: Path, num_ok: int = 8, rows_per_part: int = 4) -> SampleSet:
-    """A SampleSet of `num_ok` ok rows plus one error and one skipped row (which extraction must skip)."""
+def build_sample_set(
+    root: Path, tokenizer_dir: Path, num_ok: int = 8, rows_per_part: int = 4, responses: int = 1
+) -> SampleSet:
+    """A SampleSet of `num_ok` ok rows plus one error and one skipped row (which extraction must skip);
+    `responses` consecutive ok rows answer one prompt (p0000, p0000#1, ..., p0001, ...)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -49,7 +52,9 @@ def build_sample_set(root: Path, tokenizer_dir: Path, num_ok: int = 8, rows_per_
         ids, mask = render(tokenizer, prompt, response)
         rows.append(
             {
-                "id": f"p{i:04d}",
+                "id": sample_id(f"p{i // responses:04d}", i % responses),
+                "prompt_id": f"p{i // responses:04d}",
+                "response_index": i % responses,
                 "status": "ok",
                 "messages": [{"role": "user", "content": prompt}],
                 "response": response,

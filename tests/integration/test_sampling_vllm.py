@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from eagle3_core.config import PipelineConfig, ServerConfig
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, RESUME, RunEvents
-from eagle3_core.sampling.phase import SamplingAborted, sample_prompts
+from eagle3_core.sampling.phase import SamplingAborted, parse_completion, response_seed, sample_prompts
 from eagle3_core.sampling.table import iter_rows
 from eagle3_core.serving.engine import PortInUseError, VllmServer
 from tests.helpers.served_targets import FLOAT32
@@ -98,6 +98,27 @@ def test_malformed_prompt_file_is_a_clear_cli_error(tmp_path):
     assert result.exit_code == 1
     assert f"{prompts}:2" in result.output.replace("\n", "")
     assert RunEvents(tmp_path).count(ENGINE_START) == 0
+
+
+def test_two_responses_per_prompt_are_rows_of_their_own_seeded_per_response(tmp_path, server, smollm2_target):
+    """Each response is a request of its own seed: asking vLLM again with the seed of a prompt's second
+    response gives that row's response (what makes a resumed run sample what the first would have)."""
+    config = config_for(tmp_path, max_prompts=2, max_tokens=8, temperature=1.0, seed=3, responses_per_prompt=2)
+    sample_set = sample_prompts(config, smollm2_target, RunEvents(tmp_path), server=server)
+    rows = {r["id"]: r for r in iter_rows(sample_set)}
+    assert (sample_set.prompts, sample_set.ok) == (2, 4)
+    assert sorted((r["prompt_id"], r["response_index"]) for r in rows.values()) == [
+        ("demo-0000", 0), ("demo-0000", 1), ("demo-0001", 0), ("demo-0001", 1)
+    ]  # fmt: skip
+    second = rows["demo-0000#1"]
+    model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+    answer = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={"model": model, "messages": second["messages"], "max_tokens": 8, "temperature": 1.0,
+              "top_p": 1.0, "seed": response_seed(3, 0, 1)},
+        timeout=300,
+    ).json()  # fmt: skip
+    assert parse_completion(answer)["response"] == second["response"]
 
 
 def test_killed_server_then_resume_equals_uninterrupted_run(tmp_path, server, reference, smollm2_target):

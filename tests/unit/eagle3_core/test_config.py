@@ -63,3 +63,10 @@ def test_shipped_configs_load_and_round_trip(name, tmp_path):
     dumped = tmp_path / "dumped.yaml"
     dumped.write_text(dump_config(cfg))
     assert load_config(dumped) == cfg
+
+
+def test_several_responses_per_prompt_need_a_temperature():
+    with pytest.raises(ConfigError, match=r"sampling\.responses_per_prompt 2 needs sampling\.temperature > 0"):
+        load_config(None, ["sampling.responses_per_prompt=2"])
+    config = load_config(None, ["sampling.responses_per_prompt=2", "sampling.temperature=0.7"])
+    assert config.sampling.responses_per_prompt == 2

@@ -5,6 +5,7 @@ the other)."""
 
 from __future__ import annotations
 
+import json
 import types
 import typing
 from pathlib import Path
@@ -15,7 +16,7 @@ from pydantic import ValidationError
 
 from eagle3_core.config import CONTENT, EVERY_PHASE, INPUT, OPERATIONAL, VERDICT, VLLM, PipelineConfig
 from eagle3_core.dtypes import with_resolved_dtypes
-from eagle3_core.phases import PHASES, config_fields, field_roles, marked_roles
+from eagle3_core.phases import PHASES, config_fields, field_roles, marked_roles, unkeyed_defaults
 from tasks.evaluation import POLICY as EVALUATION_POLICY
 from tasks.extraction import POLICY as EXTRACTION_POLICY
 from tasks.sampling import POLICY as SAMPLING_POLICY
@@ -49,6 +50,7 @@ SAMPLES: dict[Any, list[Any]] = {
 BASES = {
     "training.sharding": {"training": {"optimizer": "adamw"}},
     "orchestration.host": {"orchestration": {"hosts": 2}},
+    "sampling.responses_per_prompt": {"sampling": {"temperature": 0.5}},
 }
 VALUES = {"extraction.layer_ids": [[2, 7, 20]]}  # three ascending ids that fit the target
 
@@ -134,3 +136,12 @@ def test_core_and_prefect_keys_follow_the_field_role(phase: str, path: str, role
         assert moved == expected.get(role, (False, False, False)), f"evaluation keys and {path} ({role})"
     else:
         assert (after != before) == (role == CONTENT), f"resume key of {phase} and {path} ({role})"
+
+
+def test_a_field_added_after_runs_were_keyed_is_in_no_key_at_its_default():
+    """`sampling.responses_per_prompt` at 1 is left out: every key is the one of runs made before it existed."""
+    assert unkeyed_defaults() == {"sampling.responses_per_prompt": 1}
+    config = PipelineConfig()
+    for phase in POLICIES:
+        assert "responses_per_prompt" not in json.dumps(prefect_key(config, phase)), phase
+        assert "responses_per_prompt" not in json.dumps(core_key(config, phase)), phase

@@ -16,22 +16,26 @@ from eagle3_core.evaluation.prompts import (
     humaneval_prompts,
     training_prompts,
 )
-from eagle3_core.sampling.table import is_heldout, write_part
+from eagle3_core.sampling.table import is_heldout, row_heldout, sample_id, write_part
 
 FRACTION = 0.25
 
 
-def make_sample_set(root: Path, questions: list[tuple[str, str]]) -> SampleSet:
+def make_sample_set(root: Path, questions: list[tuple[str, str]], responses: int = 1) -> SampleSet:
+    """One ok row per response of each (prompt id, question), and an error row."""
     rows = [
         {
-            "id": sample_id,
+            "id": sample_id(prompt_id, response),
+            "prompt_id": prompt_id,
+            "response_index": response,
             "status": "ok",
             "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": question}],
             "response": "answer",
             "input_ids": [1, 2, 3],
             "loss_mask": [0, 1, 1],
         }
-        for sample_id, question in questions
+        for prompt_id, question in questions
+        for response in range(responses)
     ]
     rows.append({"id": "failed", "status": "error", "error": "timeout", "messages": [{"role": "user", "content": "x"}]})
     part = write_part(rows, root / "part-00000.parquet")
@@ -82,3 +86,17 @@ def test_humaneval_stub_inside_a_training_prompt_is_an_overlap() -> None:
         check_no_overlap([stub], [leaked])
     unrelated = EvalPrompt("t2", "training", (("user", "def something_else(): pass"),))
     assert check_no_overlap([stub], [unrelated]) == 1
+
+
+def test_every_response_of_a_held_out_prompt_is_held_out_and_the_prompt_listed_once(tmp_path: Path) -> None:
+    questions = [(f"q{i}", f"question number {i}?") for i in range(200)]
+    sample_set = make_sample_set(tmp_path, questions, responses=3)
+    heldout = holdout_prompts(sample_set, FRACTION)
+    expected = [i for i, _ in questions if is_heldout(i, FRACTION)]
+    assert [p.id for p in heldout] == expected, "each held-out prompt once, in the SampleSet's order"
+    assert heldout == holdout_prompts(make_sample_set(tmp_path / "one", questions), FRACTION)
+    training = training_prompts(sample_set, FRACTION)
+    assert len(training) == 3 * (200 - len(expected)) and not {p.id for p in training} & set(expected)
+    rows = [{"id": sample_id("q7", r), "prompt_id": "q7"} for r in range(3)]
+    assert {row_heldout(row, FRACTION) for row in rows} == {is_heldout("q7", FRACTION)}
+    assert check_no_overlap(heldout, training) == len(expected)

@@ -76,14 +76,20 @@ def test_stored_states_match_an_independent_computation(request, tmp_path, sampl
     assert cosine(item["aux"][:, 0], off_by_one).mean() < 0.99
 
 
-def test_only_ok_non_heldout_rows_are_extracted(tmp_path, sample_set, tiny_llama):
+def test_only_ok_non_heldout_rows_are_extracted_and_the_hold_out_is_by_prompt(tmp_path, smollm2_target, tiny_llama):
+    """Two responses per prompt: a held-out prompt has neither extracted; the index names each sample's prompt
+    (the training validation split is by prompt), past a prompt's first response only."""
+    sample_set = build_sample_set(tmp_path / "samples", smollm2_target.root_path, num_ok=8, responses=2)
     config = make_config(tmp_path)
     config.sampling.holdout_fraction = 0.3
     hidden = extract_hidden_states(config, sample_set, tiny_llama, RunEvents(tmp_path))
     ds = HiddenStateDataset(hidden, max_length=64)
-    expected = [r["id"] for r in iter_rows(sample_set) if not is_heldout(r["id"], 0.3)]
-    assert 0 < len(expected) < 8
-    assert ds.sample_ids == expected
+    heldout = {f"p{i:04d}" for i in range(4) if is_heldout(f"p{i:04d}", 0.3)}
+    assert heldout == {"p0003"}
+    assert ds.sample_ids == ["p0000", "p0000#1", "p0001", "p0001#1", "p0002", "p0002#1"]
+    assert ds.prompt_ids == ["p0000", "p0000", "p0001", "p0001", "p0002", "p0002"]
+    index = json.loads(hidden.path_of("index.json").read_text())["samples"]
+    assert [entry.get("prompt") for entry in index] == [None, "p0000", None, "p0001", None, "p0002"]
 
 
 def test_a_failure_resumes_from_the_last_complete_shard_with_one_more_weight_load(

@@ -1,5 +1,6 @@
 """sample_prompts against a scripted OpenAI-compatible server (no vLLM): retries, error rows, skipped
-prompts, reasoning capture, Parquet parts, resume by prompt id, and the manifest's accounting."""
+prompts, reasoning capture, Parquet parts, resume by sample id, responses per prompt, and the manifest's
+accounting."""
 
 from __future__ import annotations
 
@@ -244,3 +245,34 @@ def test_a_merge_names_the_host_whose_slice_is_missing_and_a_rerun_redoes_only_i
     assert sorted(ScriptedServer.requests - before) == sorted(texts[int(i[1:])] for i in gone)
     assert all(p.stat().st_mtime_ns == mtime for p, mtime in finished.items())
     assert merge_slices(config, smollm2_target, RunEvents(config.run_dir)).ok == 10
+
+
+def test_each_response_is_a_row_with_its_own_seed_and_more_responses_sample_only_the_new_ones(
+    tmp_path, scripted, smollm2_target
+):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "SEED hi"}) + "\n" + json.dumps({"id": "p1", "prompt": "SEED two"}) + "\n")
+    fields = {"prompt_files": [str(path)], "temperature": 0.5, "seed": 10}
+    one = PipelineConfig(run_dir=tmp_path / "run", sampling=fields, server={"engine": "external"})
+    first = sampling.sample_prompts(one, smollm2_target, RunEvents(one.run_dir), server=scripted)
+    # The id of a prompt without one (a hash of its messages), as sampling has always written it.
+    assert [(r["id"], r["response"]) for r in iter_rows(first)] == [("3c558d6a6b2a0df0", "seed 10"), ("p1", "seed 11")]
+    assert first.responses_per_prompt == 1 and "responses_per_prompt" not in first.config["sampling"]
+
+    two = one.model_copy(update={"sampling": one.sampling.model_copy(update={"responses_per_prompt": 2})})
+    before = Counter(ScriptedServer.requests)
+    both = sampling.sample_prompts(two, smollm2_target, RunEvents(two.run_dir), server=scripted)
+    assert ScriptedServer.requests - before == Counter({"SEED hi": 1, "SEED two": 1}), "the first responses kept"
+    rows = sorted((r["id"], r["prompt_id"], r["response_index"], r["response"]) for r in iter_rows(both))
+    assert rows == [
+        ("3c558d6a6b2a0df0", "3c558d6a6b2a0df0", 0, "seed 10"),
+        ("3c558d6a6b2a0df0#1", "3c558d6a6b2a0df0", 1, f"seed {10 + 2**32}"),
+        ("p1", "p1", 0, "seed 11"),
+        ("p1#1", "p1", 1, f"seed {11 + 2**32}"),
+    ]
+    assert (both.prompts, both.responses_per_prompt, both.ok) == (2, 2, 4)
+    assert {k: both.config["sampling"][k] for k in ("responses_per_prompt", "temperature", "seed")} == {
+        "responses_per_prompt": 2,
+        "temperature": 0.5,
+        "seed": 10,
+    }

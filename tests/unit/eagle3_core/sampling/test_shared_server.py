@@ -19,8 +19,8 @@ from eagle3_core.sampling.prompts import load_prompts
 from eagle3_core.sampling.reuse_decision import (
     estimate_reuse,
     last_engine_start_s,
-    last_seconds_per_prompt,
-    pending_prompts,
+    last_seconds_per_request,
+    pending_requests,
     resolve_reuse,
     reuse_saves_time,
     sampling_slowdown_s,
@@ -101,8 +101,8 @@ def test_history_gives_the_last_engine_start_of_this_target_and_the_seconds_per_
     ]
     assert last_engine_start_s(events, Path("/models/a")) == 35
     assert last_engine_start_s(events, Path("/models/c")) is None
-    assert last_seconds_per_prompt(events) == 2.0
-    assert last_seconds_per_prompt(events[:2]) is None
+    assert last_seconds_per_request(events) == 2.0
+    assert last_seconds_per_request(events[:2]) is None
 
 
 def small_config(tmp_path: Path, mode: str, **extraction: object) -> PipelineConfig:
@@ -128,7 +128,7 @@ def test_without_history_auto_estimates_from_the_start_up_cost_weights_size_and_
 
 def test_only_prompts_without_an_ok_row_of_the_same_parameters_count_as_pending(tmp_path, smollm2_target):
     config = small_config(tmp_path, "auto")
-    assert pending_prompts(config, smollm2_target) == 20, "nothing sampled yet"
+    assert pending_requests(config, smollm2_target) == 20, "nothing sampled yet"
     prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
     store = SampleStore.of_run(config, smollm2_target, prompts, RunEvents(config.run_dir))
     store.resume(set())
@@ -136,9 +136,9 @@ def test_only_prompts_without_an_ok_row_of_the_same_parameters_count_as_pending(
     for prompt, status in zip(prompts, ["ok", "ok", "error", "skipped"], strict=False):
         writer.add({"id": prompt.id, "messages": prompt.messages, "status": status})
     writer.flush()
-    assert pending_prompts(config, smollm2_target) == 18
+    assert pending_requests(config, smollm2_target) == 18
     longer = config.model_copy(update={"sampling": config.sampling.model_copy(update={"max_tokens": 200})})
-    assert pending_prompts(longer, smollm2_target) == 20, "rows made with other parameters are not kept"
+    assert pending_requests(longer, smollm2_target) == 20, "rows made with other parameters are not kept"
 
 
 def test_auto_records_its_choice_with_the_numbers(tmp_path, smollm2_target):

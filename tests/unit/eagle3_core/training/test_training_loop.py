@@ -182,3 +182,15 @@ def test_history_is_the_same_whatever_the_report_interval(tmp_path: Path) -> Non
         messages.append([(u.done, u.message) for u in updates])
     assert histories[0] == histories[1] and len(histories[0]) == 8
     assert messages[0] == messages[1] and [done for done, _ in messages[0]] == list(range(1, 9))
+
+
+def test_validation_split_is_by_prompt_and_one_response_per_prompt_splits_as_before() -> None:
+    prompts = [f"p{i}" for i in range(200)]
+    samples = [(p if r == 0 else f"{p}#{r}", p) for p in prompts for r in range(3)]
+    train, val = split_validation([s for s, _ in samples], 0.2, [p for _, p in samples])
+    side = {s: s in val for s in train + val}
+    by_prompt = {p: {side[s] for s, q in samples if q == p} for p in prompts}
+    assert all(len(sides) == 1 for sides in by_prompt.values()), "every response of a prompt on one side"
+    assert 20 < len(val) // 3 < 60
+    assert split_validation(prompts, 0.2, prompts) == split_validation(prompts, 0.2)
+    assert [p for p in prompts if p in val] == split_validation(prompts, 0.2)[1]
