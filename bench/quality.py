@@ -61,6 +61,10 @@ SINGLE = {
     "norm_output": {"training.norm_output": True},
     "step_weight_1": {"training.step_weight": 1.0},
     "mask_out_of_vocab": {"training.mask_out_of_vocab": True},
+    # Issue 28's training levers.
+    "loss_on_prompt": {"training.loss_on_prompt": True},
+    "input_noise_0.2": {"training.input_noise": 0.2},  # EAGLE-1's amplitude
+    "ema_0.99": {"training.ema_decay": 0.99},  # averages ~100 steps: the protocol's runs are a few hundred long
 }
 # Recipes of other trainers, whole.
 FIXED_COMBOS = {

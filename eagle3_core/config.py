@@ -453,6 +453,29 @@ class TrainingConfig(Section):
         description="Leave out of the loss positions whose target argmax lies outside the draft vocabulary.",
         json_schema_extra=content("training"),
     )
+    loss_on_prompt: bool = Field(
+        False,
+        description="Also train on prompt positions (the target's states there are extracted anyway), not only "
+        "on assistant tokens; padding stays unscored and validation still scores assistant tokens only.",
+        json_schema_extra=added_content("training"),
+    )
+    input_noise: float = Field(
+        0.0,
+        ge=0,
+        description="EAGLE-1's uniform noise on the aux states fed to fc, in training steps only (never validation "
+        "or export): U(-a/2, a/2) with a = this * 512 / the sample's length, as EAGLE scales it (it trains 0.2); "
+        "drawn from the training seed, the step and the rank. 0: none.",
+        json_schema_extra=added_content("training"),
+    )
+    ema_decay: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Exponential moving average of the trainable draft weights (e.g. 0.999; it averages over "
+        "about 1 / (1 - decay) steps): validation and the exported draft use it, the optimizer trains the raw "
+        "weights, the resumable state keeps both. None: no average.",
+        json_schema_extra=added_content("training"),
+    )
     norm_before_fc: bool = Field(
         False,
         description="Draft: RMSNorm (`input_norm`) over the concatenated aux states before fc (vLLM flag).",
@@ -535,6 +558,15 @@ class TrainingConfig(Section):
     def _muon_needs_whole_matrices(self) -> TrainingConfig:
         if self.optimizer == "muon" and self.sharding == "fsdp2":
             raise ValueError("optimizer muon needs whole weight matrices (sharding ddp); with fsdp2 use adamw")
+        return self
+
+    @model_validator(mode="after")
+    def _ema_needs_whole_weights(self) -> TrainingConfig:
+        if self.ema_decay is not None and self.sharding == "fsdp2":
+            raise ValueError(
+                "ema_decay averages whole weights (sharding ddp): the saved state and the export do not "
+                "gather a sharded average; with fsdp2 leave ema_decay None"
+            )
         return self
 
 

@@ -30,6 +30,7 @@ from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ig
 from eagle3_core.sampling.table import is_heldout
 from eagle3_core.training.curves import TrainingCurves
 from eagle3_core.training.distributed import Group, all_reduce_sum, barrier, wrap
+from eagle3_core.training.ema import WeightAverage, averaged, weight_average
 from eagle3_core.training.flash_ttt import document_starts
 from eagle3_core.training.loss import (
     TargetHead,
@@ -39,6 +40,7 @@ from eagle3_core.training.loss import (
     decoding_counts,
     scored_rows,
 )
+from eagle3_core.training.noise import noise_seed, noisy_aux
 from eagle3_core.training.optimizer import build_optimizer
 from eagle3_core.training.state import gather_state, latest_state, load_state, save_state
 
@@ -101,12 +103,18 @@ def step_batches(
 
 
 def collate_host(
-    items: list[dict[str, torch.Tensor]], pad_multiple: int, ttt_steps: int | None = None, pin: bool = False
+    items: list[dict[str, torch.Tensor]],
+    pad_multiple: int,
+    ttt_steps: int | None = None,
+    pin: bool = False,
+    loss_on_prompt: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Stack packed sequences into host tensors [B, T, ...] (T rounded up to `pad_multiple`; pinned with
     `pin`); padding is its own document (id -1) with loss_mask 0 (and fp8 scale 0), so it is never scored
     and never seen by real tokens. States stay in the items' dtype. With `ttt_steps`, also the scored rows
-    of every step (`valid`, `scored`: `scored_rows`) and the documents' `document_starts` (flash attention)."""
+    of every step (`valid`, `scored`: `scored_rows`) and the documents' `document_starts` (flash attention);
+    `loss_on_prompt` (training only: `training.loss_on_prompt`) scores every real token, not only the
+    loss-masked (assistant) ones."""
     length = max(len(item["input_ids"]) for item in items)
     length = math.ceil(length / pad_multiple) * pad_multiple
     batch = {}
@@ -117,7 +125,8 @@ def collate_host(
             stacked[row, : len(item[name])] = item[name]
         batch[name] = stacked  # [B, T, ...]
     if ttt_steps is not None:
-        valid, scored = scored_rows(batch["loss_mask"], batch["document_ids"], ttt_steps)  # [K, B, T], [N, 3]
+        scored_mask = batch["document_ids"] >= 0 if loss_on_prompt else batch["loss_mask"]  # [B, T]
+        valid, scored = scored_rows(scored_mask, batch["document_ids"], ttt_steps)  # [K, B, T], [N, 3]
         starts = document_starts(batch["document_ids"])  # [n + 1]
         batch["valid"], batch["scored"], batch["document_starts"] = (
             t.pin_memory() if pin else t for t in (valid, scored, starts)
@@ -142,7 +151,7 @@ class BatchPrefetcher:
     """The batches of `plan` (item indices per step), made ahead of the GPU by a background thread: items
     read and collated on the host (pinned on CUDA), copied and dequantised on a side stream. `next()` makes
     the current stream wait for that copy (no host wait) and returns the batch; a failure in the thread is
-    raised there. Up to `depth` batches are ready ahead."""
+    raised there. Up to `depth` batches are ready ahead; `loss_on_prompt`: `collate_host`'s."""
 
     def __init__(
         self,
@@ -152,10 +161,12 @@ class BatchPrefetcher:
         pad_multiple: int,
         ttt_steps: int,
         depth: int = 2,
+        loss_on_prompt: bool = False,
     ):
         self.device = device
         self.ready: queue.Queue = queue.Queue(maxsize=depth)
         self.closed = threading.Event()
+        self.loss_on_prompt = loss_on_prompt
         self.thread = threading.Thread(
             target=self._produce, args=(data, plan, pad_multiple, ttt_steps), name="batch-prefetch", daemon=True
         )
@@ -168,7 +179,8 @@ class BatchPrefetcher:
             for indices in plan:
                 if self.closed.is_set():
                     return
-                batch = collate_host([data[i] for i in indices], pad_multiple, ttt_steps, pin=cuda)
+                items = [data[i] for i in indices]
+                batch = collate_host(items, pad_multiple, ttt_steps, pin=cuda, loss_on_prompt=self.loss_on_prompt)
                 if stream is None:
                     self._put((to_device(batch, self.device), None))
                     continue
@@ -340,9 +352,10 @@ def resume_or_start(
     group: Group,
     events: RunEvents,
     initial_metrics: Callable[[], dict[str, float]] | None,
+    ema: WeightAverage | None = None,
 ) -> tuple[int, list[dict[str, float]]]:
-    """(step, history) of the newest state in `state_dir`, restored into module, optimizer and scheduler;
-    else (0, the `initial_metrics` of the untrained draft, when given, as the history's first row)."""
+    """(step, history) of the newest state in `state_dir`, restored into module, optimizer, scheduler and
+    `ema`; else (0, the `initial_metrics` of the untrained draft, when given, as the history's first row)."""
     resume_from = latest_state(state_dir)
     if resume_from is None:
         if initial_metrics is None:
@@ -350,6 +363,8 @@ def resume_or_start(
         return 0, [{"step": 0, **{f"initial_{k}": v for k, v in initial_metrics().items()}}]
     restored = load_state(resume_from, module, optimizer, scheduler)
     step, history = restored["step"], restored["history"]
+    if ema is not None:
+        ema.load_state_dict(restored["ema"])
     if restored["position"] != schedule.position(step):
         raise ValueError(f"{resume_from}: saved data position {restored['position']} does not fit this data")
     if group.is_main:
@@ -424,8 +439,10 @@ def checkpoint(
     history: list[dict[str, float]],
     tc: TrainingConfig,
     group: Group,
+    ema: WeightAverage | None = None,
 ) -> None:
-    """Save the training state after `step` (gathered from every rank, written by the main one)."""
+    """Save the training state after `step` (gathered from every rank, written by the main one), with the
+    weight average when training keeps one (every rank holds the same)."""
     model_state, optimizer_state = gather_state(module, optimizer)
     if group.is_main:
         save_state(
@@ -437,6 +454,7 @@ def checkpoint(
             schedule.position(step),
             history,
             tc.keep_checkpoints,
+            None if ema is None else ema.state_dict(),
         )
     barrier(group)
 
@@ -464,44 +482,56 @@ def run_training(
 ) -> tuple[int, dict[str, float]]:
     """Train (resuming from `state_dir` when it holds a state) and return (steps done, metrics).
     Progress and history rows of every step, made at most every `report_interval_s` (`Cadence`);
-    `curves` (TensorBoard events and the PNG, `curves.TrainingCurves`) get them at the same reports."""
+    `curves` (TensorBoard events and the PNG, `curves.TrainingCurves`) get them at the same reports.
+    With `training.ema_decay`, validation runs on the weight average and `objective` ends holding it (the
+    draft to export); `training.input_noise` and `training.loss_on_prompt` change the training steps only."""
     curves = curves or TrainingCurves(None)
     device = group.device
     pad_multiple = 128 if device.type == "cuda" else 1
     module, head = place_objective(objective, head, tc, group, events)
+    ema = weight_average(objective, tc.ema_decay)  # after `wrap`: from the weights every rank starts with
     validating = val_data is not None and len(val_data) > 0
 
     def validation() -> dict[str, float]:
-        return validate(objective, head, val_data, tc.batch_size, group, pad_multiple)
+        with averaged(ema):
+            return validate(objective, head, val_data, tc.batch_size, group, pad_multiple)
 
     schedule = Schedule.of(len(train_data), tc, group)
     params, optimizer, scheduler = optimizer_and_schedule(module, tc, schedule, device)
     step, history = resume_or_start(
-        state_dir, module, optimizer, scheduler, schedule, group, events, validation if validating else None
+        state_dir, module, optimizer, scheduler, schedule, group, events, validation if validating else None, ema
     )
     curves.start(step, history)
     cadence = Cadence(history, schedule, step, tc.checkpoint_every, progress, report_interval_s, curves)
     plan = step_batches(len(train_data), tc.batch_size, group, tc.seed, schedule.steps_per_epoch, step, schedule.total)
-    with BatchPrefetcher(train_data, plan, device, pad_multiple, objective.ttt_steps) as batches:
+    with BatchPrefetcher(
+        train_data, plan, device, pad_multiple, objective.ttt_steps, loss_on_prompt=tc.loss_on_prompt
+    ) as batches:
         while step < schedule.total:
             batch = batches.next()
+            if tc.input_noise:
+                batch["aux"] = noisy_aux(batch, tc.input_noise, noise_seed(tc.seed, step, group.rank))
             with autocast(device):
                 loss, stats, _, _ = module(batch, head)
             loss.backward()
             curves.step(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip))  # a device tensor, read at reports
             optimizer.step()
+            if ema is not None:
+                ema.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
             record = step_record(loss, stats, batch["input_ids"].numel(), group)
             cadence.step_done(step, scheduler.get_last_lr()[0], record)
             if cadence.checkpoint_due(step):
-                checkpoint(state_dir, step, module, optimizer, scheduler, schedule, history, tc, group)
+                checkpoint(state_dir, step, module, optimizer, scheduler, schedule, history, tc, group, ema)
     cadence.report()
     metrics = final_metrics(history)
     if step == schedule.total and validating:
         final = validation()
         metrics.update(final)
         curves.validation(step, final)
+    if ema is not None:
+        ema.apply()
     curves.close()
     return step, metrics

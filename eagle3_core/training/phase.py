@@ -196,7 +196,8 @@ def export_training_state(
     state_file: Path | None = None,
 ) -> list[Path]:
     """Export a resumable training state (default: the newest) as a vLLM/SGLang folder, e.g. to serve an
-    intermediate step while training goes on."""
+    intermediate step while training goes on: its weight average where it keeps one (`training.ema_decay`),
+    as the phase's own export."""
     from eagle3_core.training.state import latest_state
 
     state_dir = RunLayout.of(config).draft.state
@@ -204,7 +205,8 @@ def export_training_state(
     if state_file is None:
         raise FileNotFoundError(f"no training state under {state_dir}")
     draft = Eagle3Draft(draft_config_of(config, target, vocab_map, hidden_states.layer_ids))
-    model = torch.load(state_file, map_location="cpu", weights_only=False)["model"]
+    state = torch.load(state_file, map_location="cpu", weights_only=False)
+    model = {**state["model"], **(state.get("ema") or {})}  # the averaged trainable weights over the raw ones
     missing, unexpected = draft.load_state_dict({k.removeprefix("draft."): v for k, v in model.items()}, strict=False)
     if missing != ["embed_tokens.weight"] or unexpected:
         raise ValueError(f"{state_file}: not a state of this draft (missing {missing}, unexpected {unexpected})")

@@ -1,7 +1,8 @@
 """Resumable training state: model (trainable tensors and buffers; the frozen embeddings come back from
-the target), optimizer, scheduler, RNG streams, data position and metric history, one atomic file per
-checkpoint plus `latest.json` naming the newest. A run killed at any moment resumes from the newest
-complete file and ends with the same weights as an uninterrupted run."""
+the target), optimizer, scheduler, RNG streams, data position, metric history and the weight average
+(`training.ema_decay`; None without one), one atomic file per checkpoint plus `latest.json` naming the
+newest. A run killed at any moment resumes from the newest complete file and ends with the same weights
+as an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -67,8 +68,10 @@ def save_state(
     position: dict[str, int],
     history: list[dict],
     keep: int,
+    ema: dict | None = None,
 ) -> Path:
-    """Write `step-XXXXXXXX.pt` atomically, point `latest.json` at it, and drop all but `keep` files."""
+    """Write `step-XXXXXXXX.pt` atomically, point `latest.json` at it, and drop all but `keep` files. `ema`:
+    the weight average's state (`ema.WeightAverage.state_dict`), when training keeps one."""
     path = state_dir / f"step-{step:08d}.pt"
     payload = {
         "step": step,
@@ -78,6 +81,7 @@ def save_state(
         "rng": rng_state(),
         "position": position,
         "history": history,
+        "ema": ema,
     }
     with atomic_path(path, needed=tensor_bytes(payload)) as tmp:
         torch.save(payload, tmp)
@@ -102,10 +106,16 @@ def load_state(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> dict[str, Any]:
-    """Restore everything saved by `save_state`; returns step, position and history."""
+    """Restore everything saved by `save_state`; returns step, position, history and the EMA state (None
+    when none was saved)."""
     payload = torch.load(path, map_location="cpu", weights_only=False)
     set_model_state_dict(module, payload["model"], options=StateDictOptions(full_state_dict=True, strict=False))
     set_optimizer_state_dict(module, optimizer, payload["optimizer"], options=FULL)
     scheduler.load_state_dict(payload["scheduler"])
     set_rng_state(payload["rng"])
-    return {"step": payload["step"], "position": payload["position"], "history": payload["history"]}
+    return {
+        "step": payload["step"],
+        "position": payload["position"],
+        "history": payload["history"],
+        "ema": payload.get("ema"),  # states saved before ema_decay have none
+    }

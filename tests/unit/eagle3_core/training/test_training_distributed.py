@@ -1,5 +1,5 @@
-"""Training under a 2-process gloo group on CPU (what torchrun sets up): DDP and FSDP2 keep every rank's
-draft identical, train it, and the gathered checkpoint resumes."""
+"""Training under a 2-process gloo group on CPU (what torchrun sets up): DDP (with the weight average) and
+FSDP2 keep every rank's draft identical, train it, and the gathered checkpoint resumes."""
 
 from __future__ import annotations
 
@@ -38,8 +38,9 @@ def worker(rank: int, world: int, port: int, sharding: str, out: str) -> None:
     torch.set_num_threads(1)
     group = init_group("cpu")
     objective, head = tiny_objective()
-    optimizer = "adamw" if sharding == "fsdp2" else "muon"  # Muon needs whole matrices (DDP)
-    tc = TrainingConfig(max_steps=4, checkpoint_every=2, lr=3e-3, batch_size=1, sharding=sharding, optimizer=optimizer)
+    # Muon and the weight average need whole matrices (DDP); the ranks end holding the average there.
+    whole = {"optimizer": "muon", "ema_decay": 0.9} if sharding == "ddp" else {"optimizer": "adamw"}
+    tc = TrainingConfig(max_steps=4, checkpoint_every=2, lr=3e-3, batch_size=1, sharding=sharding, **whole)
     curves = TrainingCurves(Path(out) if group.is_main else None)  # every rank reads the grad norm (FSDP2)
     data, state_dir = synthetic_data(6), Path(out) / "state"
     run_training(objective, head, data, None, tc, state_dir, group, RunEvents(out), curves=curves)

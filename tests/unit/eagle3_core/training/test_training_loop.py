@@ -1,5 +1,6 @@
 """The training loop on synthetic packed sequences: it learns, a run stopped at step k and resumed ends
-bit for bit where an uninterrupted run ends, and the schedule/batching helpers behave."""
+bit for bit where an uninterrupted run ends (with the training levers too), the levers change the training
+steps and never validation, and the schedule/batching helpers behave."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from eagle3_core.training.distributed import Group
 from eagle3_core.training.loop import (
     BatchPrefetcher,
     collate,
+    collate_host,
     compile_plan,
     lr_factor,
     rank_batches,
@@ -32,11 +34,15 @@ def config(**overrides) -> TrainingConfig:
     return TrainingConfig(max_steps=8, checkpoint_every=3, lr=3e-3, batch_size=2, **overrides)
 
 
-def test_resumed_run_ends_bit_for_bit_where_uninterrupted_run_ends(tmp_path: Path, monkeypatch) -> None:
+LEVERS = {"ema_decay": 0.9, "input_noise": 0.2, "loss_on_prompt": True}
+
+
+@pytest.mark.parametrize("levers", [{}, LEVERS], ids=["default", "levers"])
+def test_resumed_run_ends_bit_for_bit_where_uninterrupted_run_ends(tmp_path: Path, monkeypatch, levers) -> None:
     data = synthetic_data(6)
     events = RunEvents(tmp_path)
     objective, head = tiny_objective()
-    steps, _ = run_training(objective, head, data, None, config(), tmp_path / "straight", CPU, events)
+    steps, _ = run_training(objective, head, data, None, config(**levers), tmp_path / "straight", CPU, events)
     assert steps == 8
     straight = {k: v.clone() for k, v in objective.state_dict().items()}
 
@@ -46,7 +52,7 @@ def test_resumed_run_ends_bit_for_bit_where_uninterrupted_run_ends(tmp_path: Pat
     updates = []
     crashing = faulting_progress("training", updates.append)
     with pytest.raises(InjectedFault):
-        run_training(objective, head, data, None, config(), tmp_path / "resumed", CPU, events, crashing, 0.0)
+        run_training(objective, head, data, None, config(**levers), tmp_path / "resumed", CPU, events, crashing, 0.0)
     monkeypatch.delenv(ENV)
     assert updates[-1].done == 5 and latest_state(tmp_path / "resumed").name == "step-00000003.pt"
     objective, head = tiny_objective()  # a fresh process; its trainable weights are not even the initial ones
@@ -54,10 +60,14 @@ def test_resumed_run_ends_bit_for_bit_where_uninterrupted_run_ends(tmp_path: Pat
         for parameter in objective.parameters():
             if parameter.requires_grad:
                 parameter.normal_()
-    steps, _ = run_training(objective, head, data, None, config(), tmp_path / "resumed", CPU, events)
+    steps, _ = run_training(objective, head, data, None, config(**levers), tmp_path / "resumed", CPU, events)
     assert steps == 8 and events.count(RESUME, "training") == 1
     for name, tensor in objective.state_dict().items():
         assert torch.equal(tensor, straight[name]), name
+    last = [torch.load(tmp_path / run / "step-00000008.pt", weights_only=False) for run in ("straight", "resumed")]
+    for part in ("model", "ema"):  # the raw weights and their average (None without ema_decay)
+        assert (last[0][part] is None) == (last[1][part] is None) == (part == "ema" and not levers)
+        assert all(torch.equal(last[0][part][k], last[1][part][k]) for k in last[0][part] or {}), part
     assert sorted(p.name for p in (tmp_path / "resumed").glob("step-*.pt")) == ["step-00000006.pt", "step-00000008.pt"]
 
 
@@ -194,3 +204,43 @@ def test_validation_split_is_by_prompt_and_one_response_per_prompt_splits_as_bef
     assert 20 < len(val) // 3 < 60
     assert split_validation(prompts, 0.2, prompts) == split_validation(prompts, 0.2)
     assert [p for p in prompts if p in val] == split_validation(prompts, 0.2)[1]
+
+
+def test_loss_on_prompt_scores_prompt_tokens_in_training_batches_only() -> None:
+    """Training batches score every real token (prompt ones too), padding never; validation's `collate`
+    scores the assistant tokens as before."""
+    items = synthetic_data(2)
+    assistant, everything = (collate_host(items, 8, 2, loss_on_prompt=flag)["valid"] for flag in (False, True))
+    assert bool((assistant <= everything).all()) and int(everything.sum()) > int(assistant.sum())
+    batch = collate_host(items, 8, 2)
+    ids = batch["document_ids"]  # [B, T]
+    prompt, padding = ~batch["loss_mask"] & (ids >= 0), ids < 0
+    within = ids[:, 2:] == ids[:, :-2]  # step 0 at i predicts token i+2 of the same document
+    predicts_prompt = prompt[:, 2:] & within
+    assert bool(predicts_prompt.any()) and bool(everything[0, :, :-2][predicts_prompt].all())
+    assert not bool(everything[0, :, :-2][padding[:, 2:]].any()) and bool(padding.any())
+    assert torch.equal(collate(items, CPU.device, 8, 2)["valid"], assistant)
+
+
+def short_run(tmp_path: Path, **levers) -> tuple[list[dict], dict[str, float]]:
+    """(history, metrics) of 2 steps on 4 sequences, validated on 2 others, from the same initial draft."""
+    objective, head = tiny_objective()
+    tc = TrainingConfig(max_steps=2, checkpoint_every=2, batch_size=2, **levers)
+    state_dir = tmp_path / "-".join(f"{k}={v}" for k, v in levers.items())
+    _, metrics = run_training(
+        objective, head, synthetic_data(4), synthetic_data(2, 8), tc, state_dir, CPU, RunEvents(tmp_path)
+    )
+    return torch.load(latest_state(state_dir), weights_only=False)["history"], metrics
+
+
+def test_levers_change_the_training_loss_not_what_validation_counts(tmp_path: Path) -> None:
+    """loss_on_prompt and input_noise change the training steps; validation of the same weights (the
+    untrained draft's) is the same, over the same assistant tokens; the noise is the same for the same seed."""
+    base_history, base = short_run(tmp_path)
+    initial = {name: value for name, value in base.items() if name.startswith("initial_")}
+    for levers in ({"loss_on_prompt": True}, {"input_noise": 0.2}):
+        history, metrics = short_run(tmp_path, **levers)
+        assert history[1]["loss"] != base_history[1]["loss"], levers  # history[0]: the initial validation
+        assert {name: metrics[name] for name in initial} == initial, levers
+        assert metrics["val_tokens"] == base["val_tokens"], levers
+    assert short_run(tmp_path / "again", input_noise=0.2)[0] == short_run(tmp_path, input_noise=0.2)[0]

@@ -1,5 +1,6 @@
-"""The training phase end to end on tiny random targets (Llama, and DeepSeek-V3 with MLA + MoE): hf hidden
-states -> vocab map -> train_draft -> exported folder; a re-run is a cache hit; stale vocab refused."""
+"""The training phase end to end on tiny random targets (Llama, and DeepSeek-V3 with MLA + MoE and a weight
+average): hf hidden states -> vocab map -> train_draft -> exported folder; a re-run is a cache hit; stale
+vocab refused."""
 
 from __future__ import annotations
 
@@ -36,10 +37,11 @@ def make_config(run_dir) -> PipelineConfig:
     return config
 
 
-@pytest.mark.parametrize("target_name", ["tiny_llama", "tiny_deepseek"])
-def test_train_draft_end_to_end(request, tmp_path, sample_set, target_name) -> None:
+@pytest.mark.parametrize(("target_name", "ema_decay"), [("tiny_llama", None), ("tiny_deepseek", 0.9)])
+def test_train_draft_end_to_end(request, tmp_path, sample_set, target_name, ema_decay) -> None:
     target = request.getfixturevalue(target_name)
     config = make_config(tmp_path)
+    config.training.ema_decay = ema_decay  # the export and the final state's re-export are both the average
     events = RunEvents(tmp_path)
     hidden = extract_hidden_states(config, sample_set, target, events)
     vocab_map = build_vocab_map(config, sample_set, target, events)
