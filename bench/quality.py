@@ -49,7 +49,7 @@ BASELINE = {
     "training.step_weight": 0.8,
     "training.mask_out_of_vocab": False,
 }
-# Each one change of the issue's table, on top of BASELINE.
+# Each one change of the issue's table (and issue 28's training length by validation), on top of BASELINE.
 SINGLE = {
     "lr_1e-3": {"training.lr": 1e-3},
     "muon": {"training.optimizer": "muon", "training.lr": 1e-3, "training.weight_decay": 0.01},
@@ -65,6 +65,7 @@ SINGLE = {
     "loss_on_prompt": {"training.loss_on_prompt": True},
     "input_noise_0.2": {"training.input_noise": 0.2},  # EAGLE-1's amplitude
     "ema_0.99": {"training.ema_decay": 0.99},  # averages ~100 steps: the protocol's runs are a few hundred long
+    "epochs_auto": {"training.epochs": "auto"},
 }
 # Recipes of other trainers, whole.
 FIXED_COMBOS = {
@@ -163,6 +164,7 @@ def run_variant(args: argparse.Namespace, name: str, overrides: dict) -> dict:
         checkpoint = train_draft(vcfg, hidden, vocab, target, events)
         row["training_s"] = round(time.monotonic() - start, 1)
         row["steps"] = checkpoint.step
+        row["kept_epoch"] = checkpoint.metrics.get("kept_epoch")  # epochs auto: the epoch it kept
         row.update(val_summary(checkpoint.metrics, 3))
         row["export"] = str(checkpoint.path_of("export"))
         row["freeze_lm_head"] = vcfg.training.freeze_lm_head

@@ -9,7 +9,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 SECRET_KEY_VARIABLE = "EAGLE3_API_KEY"
@@ -389,8 +398,21 @@ class TrainingConfig(Section):
         description="Loss weight decay per step: step i weighs w^i.",
         json_schema_extra=content("training"),
     )
-    epochs: float = Field(
-        2.0, gt=0, description="Passes over the training samples.", json_schema_extra=content("training")
+    epochs: Literal["auto"] | PositiveFloat = Field(
+        2.0,
+        description="Passes over the training samples; auto: up to max_epochs, validated after each, stopping when "
+        "val_decode_acceptance_length stops improving and keeping the best epoch (needs holdout_fraction > 0).",
+        json_schema_extra=content("training"),
+    )
+    max_epochs: PositiveFloat = Field(
+        4.0,
+        description="Budget of epochs auto: the learning-rate schedule spans this many passes.",
+        json_schema_extra=added_content("training"),
+    )
+    stop_patience: PositiveInt = Field(
+        1,
+        description="Epochs auto: stop after this many validations in a row that do not improve on the best.",
+        json_schema_extra=added_content("training"),
     )
     max_steps: int | None = Field(
         None,
@@ -567,6 +589,12 @@ class TrainingConfig(Section):
                 "ema_decay averages whole weights (sharding ddp): the saved state and the export do not "
                 "gather a sharded average; with fsdp2 leave ema_decay None"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _auto_epochs_need_validation(self) -> TrainingConfig:
+        if self.epochs == "auto" and self.holdout_fraction == 0:
+            raise ValueError("epochs auto stops by validation: training.holdout_fraction must be > 0")
         return self
 
 

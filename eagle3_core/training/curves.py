@@ -77,9 +77,9 @@ def read_record(path: Path) -> list[dict]:
 
 
 def kept_on_resume(row: dict, step: int) -> bool:
-    """Whether a row survives a resume at `step`: steps up to it were trained and saved in the state (its
-    validation, if any, runs again after the resume)."""
-    return row["step"] <= step if row["kind"] == TRAIN else row["step"] < step
+    """Whether a row survives a resume at `step`: steps up to it were trained, and validated where due,
+    before the state was saved."""
+    return row["step"] <= step
 
 
 def read_grad_norm(norm: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The optimisation loop: AdamW or Muon + AdamW (`training.optimizer`), warmup + cosine or linear decay,
 gradient clipping, bf16 autocast on GPU,
-validation metrics per TTT position with a simulated acceptance length, resumable checkpoints.
+validation metrics per TTT position with a simulated acceptance length after every epoch (with `training.epochs:
+auto`, stopping when they stop improving and keeping the best epoch: `selection`), resumable checkpoints.
 
 The data position is the optimizer step: epoch e's order is a permutation seeded by (seed, e), so step s
 always reads the same batch, and a resumed run reads exactly what the uninterrupted run would have.
@@ -42,7 +43,8 @@ from eagle3_core.training.loss import (
 )
 from eagle3_core.training.noise import noise_seed, noisy_aux
 from eagle3_core.training.optimizer import build_optimizer
-from eagle3_core.training.state import gather_state, latest_state, load_state, save_state
+from eagle3_core.training.selection import EpochSelection
+from eagle3_core.training.state import gather_state, latest_state, load_state, model_state, save_state
 
 PHASE = TRAINING.name
 
@@ -301,8 +303,10 @@ class Schedule:
 
     @classmethod
     def of(cls, num_items: int, tc: TrainingConfig, group: Group) -> Schedule:
+        """`training.max_steps`, else `training.epochs` (auto: the `max_epochs` budget) of `num_items` items."""
         steps_per_epoch = len(rank_batches(num_items, tc.batch_size, group, tc.seed, 0))
-        return cls(steps_per_epoch, tc.max_steps or math.ceil(tc.epochs * steps_per_epoch))
+        epochs = tc.max_epochs if tc.epochs == "auto" else tc.epochs
+        return cls(steps_per_epoch, tc.max_steps or math.ceil(epochs * steps_per_epoch))
 
     def position(self, step: int) -> dict[str, int]:
         """The data position after `step` steps, as saved in (and checked against) a training state."""
@@ -353,14 +357,15 @@ def resume_or_start(
     events: RunEvents,
     initial_metrics: Callable[[], dict[str, float]] | None,
     ema: WeightAverage | None = None,
-) -> tuple[int, list[dict[str, float]]]:
-    """(step, history) of the newest state in `state_dir`, restored into module, optimizer, scheduler and
-    `ema`; else (0, the `initial_metrics` of the untrained draft, when given, as the history's first row)."""
+) -> tuple[int, list[dict[str, float]], list[dict[str, float]]]:
+    """(step, history, validations) of the newest state in `state_dir`, restored into module, optimizer,
+    scheduler and `ema`; else (0, the `initial_metrics` of the untrained draft, when given, as the history's
+    first row, no validations)."""
     resume_from = latest_state(state_dir)
     if resume_from is None:
         if initial_metrics is None:
-            return 0, []
-        return 0, [{"step": 0, **{f"initial_{k}": v for k, v in initial_metrics().items()}}]
+            return 0, [], []
+        return 0, [{"step": 0, **{f"initial_{k}": v for k, v in initial_metrics().items()}}], []
     restored = load_state(resume_from, module, optimizer, scheduler)
     step, history = restored["step"], restored["history"]
     if ema is not None:
@@ -369,7 +374,7 @@ def resume_or_start(
         raise ValueError(f"{resume_from}: saved data position {restored['position']} does not fit this data")
     if group.is_main:
         events.record(PHASE, RESUME, f"resuming at step {step} of {schedule.total} from {resume_from.name}", step=step)
-    return step, history
+    return step, history, restored["validations"]
 
 
 class Cadence:
@@ -439,22 +444,26 @@ def checkpoint(
     history: list[dict[str, float]],
     tc: TrainingConfig,
     group: Group,
+    selection: EpochSelection,
     ema: WeightAverage | None = None,
 ) -> None:
     """Save the training state after `step` (gathered from every rank, written by the main one), with the
-    weight average when training keeps one (every rank holds the same)."""
-    model_state, optimizer_state = gather_state(module, optimizer)
+    validations so far and the best weights they keep, and the weight average when training keeps one
+    (every rank holds the same)."""
+    model, optimizer_state = gather_state(module, optimizer)
     if group.is_main:
         save_state(
             state_dir,
             step,
-            model_state,
+            model,
             optimizer_state,
             scheduler,
             schedule.position(step),
             history,
             tc.keep_checkpoints,
             None if ema is None else ema.state_dict(),
+            selection.validations,
+            selection.best_step,
         )
     barrier(group)
 
@@ -482,24 +491,38 @@ def run_training(
 ) -> tuple[int, dict[str, float]]:
     """Train (resuming from `state_dir` when it holds a state) and return (steps done, metrics).
     Progress and history rows of every step, made at most every `report_interval_s` (`Cadence`);
-    `curves` (TensorBoard events and the PNG, `curves.TrainingCurves`) get them at the same reports.
-    With `training.ema_decay`, validation runs on the weight average and `objective` ends holding it (the
-    draft to export); `training.input_noise` and `training.loss_on_prompt` change the training steps only."""
+    `curves` (TensorBoard events and the PNG, `curves.TrainingCurves`) get them at the same reports, and
+    the validations after every epoch (`selection.EpochSelection`: with `training.epochs: auto` they
+    decide when the run stops and which weights it keeps; the metrics are then the kept step's).
+    With `training.ema_decay`, validation runs on the weight average and `objective` ends holding it (or the
+    best epoch's average, with auto); `training.input_noise` and `training.loss_on_prompt` change the training
+    steps only."""
     curves = curves or TrainingCurves(None)
     device = group.device
     pad_multiple = 128 if device.type == "cuda" else 1
     module, head = place_objective(objective, head, tc, group, events)
     ema = weight_average(objective, tc.ema_decay)  # after `wrap`: from the weights every rank starts with
     validating = val_data is not None and len(val_data) > 0
+    keep_best = tc.epochs == "auto"
+    if keep_best and not validating:
+        raise ValueError("training.epochs auto stops by validation: training.holdout_fraction kept no samples")
 
+    # The weights validated and the weights a best epoch keeps: the same, defined here side by side.
     def validation() -> dict[str, float]:
         with averaged(ema):
             return validate(objective, head, val_data, tc.batch_size, group, pad_multiple)
 
+    def validated_weights() -> dict[str, torch.Tensor]:
+        with averaged(ema):  # copies: on a CPU the state's tensors are the weights the block then restores
+            return {name: tensor.clone() for name, tensor in model_state(module).items()}
+
     schedule = Schedule.of(len(train_data), tc, group)
     params, optimizer, scheduler = optimizer_and_schedule(module, tc, schedule, device)
-    step, history = resume_or_start(
+    step, history, validations = resume_or_start(
         state_dir, module, optimizer, scheduler, schedule, group, events, validation if validating else None, ema
+    )
+    selection = EpochSelection(
+        keep_best, tc.stop_patience, schedule.steps_per_epoch, schedule.total, state_dir, group, curves, validations
     )
     curves.start(step, history)
     cadence = Cadence(history, schedule, step, tc.checkpoint_every, progress, report_interval_s, curves)
@@ -507,7 +530,7 @@ def run_training(
     with BatchPrefetcher(
         train_data, plan, device, pad_multiple, objective.ttt_steps, loss_on_prompt=tc.loss_on_prompt
     ) as batches:
-        while step < schedule.total:
+        while step < schedule.total and not selection.stopped:
             batch = batches.next()
             if tc.input_noise:
                 batch["aux"] = noisy_aux(batch, tc.input_noise, noise_seed(tc.seed, step, group.rank))
@@ -523,15 +546,16 @@ def run_training(
             step += 1
             record = step_record(loss, stats, batch["input_ids"].numel(), group)
             cadence.step_done(step, scheduler.get_last_lr()[0], record)
-            if cadence.checkpoint_due(step):
-                checkpoint(state_dir, step, module, optimizer, scheduler, schedule, history, tc, group, ema)
+            validated = validating and selection.after(step, validation, validated_weights)
+            if cadence.checkpoint_due(step) or (keep_best and validated):  # auto saves every validation (a stop)
+                if cadence.pending:  # a validation between checkpoints: its steps' rows go into the state too
+                    cadence.report()
+                checkpoint(state_dir, step, module, optimizer, scheduler, schedule, history, tc, group, selection, ema)
     cadence.report()
-    metrics = final_metrics(history)
-    if step == schedule.total and validating:
-        final = validation()
-        metrics.update(final)
-        curves.validation(step, final)
-    if ema is not None:
+    if ema is not None and not keep_best:  # with auto, `finish` loads the best epoch's average
         ema.apply()
+    kept_step, kept_metrics = selection.finish(module, events)
+    metrics = final_metrics([row for row in history if kept_step is None or row["step"] <= kept_step])
+    metrics.update(kept_metrics)
     curves.close()
     return step, metrics

@@ -2,12 +2,17 @@
 the target), optimizer, scheduler, RNG streams, data position, metric history and the weight average
 (`training.ema_decay`; None without one), one atomic file per checkpoint plus `latest.json` naming the
 newest. A run killed at any moment resumes from the newest complete file and ends with the same weights
-as an uninterrupted run."""
+as an uninterrupted run.
+
+A run that keeps its best validated weights (`training.epochs: auto`, `selection`) writes them beside the
+states, `best-XXXXXXXX.pt` by step; a state names the one it keeps (`best`), and saving a state drops the
+others, so the newest state's best weights survive any kill."""
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +47,33 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def model_state(module: nn.Module) -> dict:
+    """Full (unsharded, CPU) model state without the frozen embeddings; a collective under FSDP2, so every
+    rank calls it."""
+    return {k: v for k, v in get_model_state_dict(module, options=FULL).items() if k not in FROZEN}
+
+
+def set_model_state(module: nn.Module, model: dict) -> None:
+    """Load a `model_state` into `module` (every rank, the full state each)."""
+    set_model_state_dict(module, model, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
 def gather_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Full (unsharded, CPU) model and optimizer state; a collective under FSDP2, so every rank calls it."""
-    model = {k: v for k, v in get_model_state_dict(module, options=FULL).items() if k not in FROZEN}
-    return model, get_optimizer_state_dict(module, optimizer, options=FULL)
+    return model_state(module), get_optimizer_state_dict(module, optimizer, options=FULL)
+
+
+def best_path(state_dir: Path, step: int) -> Path:
+    """The file of the best weights validated after `step`."""
+    return state_dir / f"best-{step:08d}.pt"
+
+
+def save_best(state_dir: Path, step: int, model: dict) -> Path:
+    """Write the best weights so far (validated after `step`) atomically, beside the states."""
+    path = best_path(state_dir, step)
+    with atomic_path(path, needed=tensor_bytes(model)) as tmp:
+        torch.save(model, tmp)
+    return path
 
 
 def tensor_bytes(value: Any) -> int:
@@ -69,9 +97,12 @@ def save_state(
     history: list[dict],
     keep: int,
     ema: dict | None = None,
+    validations: Sequence[dict] = (),
+    best: int | None = None,
 ) -> Path:
-    """Write `step-XXXXXXXX.pt` atomically, point `latest.json` at it, and drop all but `keep` files. `ema`:
-    the weight average's state (`ema.WeightAverage.state_dict`), when training keeps one."""
+    """Write `step-XXXXXXXX.pt` atomically, point `latest.json` at it, and drop all but `keep` files and
+    every best-weights file but the one of step `best` (None: all). `ema`: the weight average's state
+    (`ema.WeightAverage.state_dict`), when training keeps one."""
     path = state_dir / f"step-{step:08d}.pt"
     payload = {
         "step": step,
@@ -82,12 +113,17 @@ def save_state(
         "position": position,
         "history": history,
         "ema": ema,
+        "validations": list(validations),
     }
     with atomic_path(path, needed=tensor_bytes(payload)) as tmp:
         torch.save(payload, tmp)
     write_text_atomic(state_dir / LATEST, json.dumps({"file": path.name, "step": step}))
     for old in sorted(state_dir.glob("step-*.pt"))[:-keep]:
         old.unlink()
+    kept = None if best is None else best_path(state_dir, best)
+    for old in state_dir.glob("best-*.pt"):
+        if old != kept:
+            old.unlink()
     return path
 
 
@@ -106,16 +142,12 @@ def load_state(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> dict[str, Any]:
-    """Restore everything saved by `save_state`; returns step, position, history and the EMA state (None
-    when none was saved)."""
+    """Restore everything saved by `save_state`; returns step, position, history, validations and the EMA
+    state (None when none was saved)."""
     payload = torch.load(path, map_location="cpu", weights_only=False)
-    set_model_state_dict(module, payload["model"], options=StateDictOptions(full_state_dict=True, strict=False))
+    set_model_state(module, payload["model"])
     set_optimizer_state_dict(module, optimizer, payload["optimizer"], options=FULL)
     scheduler.load_state_dict(payload["scheduler"])
     set_rng_state(payload["rng"])
-    return {
-        "step": payload["step"],
-        "position": payload["position"],
-        "history": payload["history"],
-        "ema": payload.get("ema"),  # states saved before ema_decay have none
-    }
+    restored = {k: payload[k] for k in ("step", "position", "history", "validations")}
+    return {**restored, "ema": payload.get("ema")}  # states saved before ema_decay have none

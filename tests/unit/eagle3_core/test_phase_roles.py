@@ -146,6 +146,8 @@ def test_a_field_added_after_runs_were_keyed_is_in_no_key_at_its_default():
         "training.loss_on_prompt": False,
         "training.input_noise": 0.0,
         "training.ema_decay": None,
+        "training.max_epochs": 4.0,
+        "training.stop_patience": 1,
     }
     assert added.items() <= unkeyed_defaults().items()
     config = PipelineConfig()

@@ -81,11 +81,17 @@ def cli_key(phase: str, config: PipelineConfig) -> Any:
     return converted_dir(config.target, GGUF_SHA) if phase == "prepare_target" else core_key(config, phase)
 
 
+# Training length by validation (issue 28): `auto`, its budget and its patience change what is trained.
+AUTO_EPOCHS = [
+    ("training", CONTENT, "training.epochs", "auto"),
+    ("training", CONTENT, "training.max_epochs", 6.0),
+    ("training", CONTENT, "training.stop_patience", 2),
+]
 CASES = [
     (phase, role, *change)
     for phase, pair in CHANGES.items()
     for role, change in zip((OPERATIONAL, CONTENT), pair, strict=True)
-]
+] + AUTO_EPOCHS
 
 
 @pytest.mark.parametrize(("phase", "role", "path", "value"), CASES, ids=[f"{c[0]}:{c[2]}" for c in CASES])

@@ -18,7 +18,7 @@ from eagle3_core.training.curves import RECORD_FILE, read_record
 from tests.helpers.training_data import synthetic_data, tiny_objective
 
 
-def worker(rank: int, world: int, port: int, sharding: str, out: str) -> None:
+def worker(rank: int, world: int, port: int, sharding: str, out: str, epochs: str | float = 2.0) -> None:
     os.environ.update(
         {
             "RANK": str(rank),
@@ -40,10 +40,19 @@ def worker(rank: int, world: int, port: int, sharding: str, out: str) -> None:
     objective, head = tiny_objective()
     # Muon and the weight average need whole matrices (DDP); the ranks end holding the average there.
     whole = {"optimizer": "muon", "ema_decay": 0.9} if sharding == "ddp" else {"optimizer": "adamw"}
-    tc = TrainingConfig(max_steps=4, checkpoint_every=2, lr=3e-3, batch_size=1, sharding=sharding, **whole)
+    tc = TrainingConfig(
+        max_steps=4, checkpoint_every=2, lr=3e-3, batch_size=1, sharding=sharding, epochs=epochs, **whole
+    )
     curves = TrainingCurves(Path(out) if group.is_main else None)  # every rank reads the grad norm (FSDP2)
     data, state_dir = synthetic_data(6), Path(out) / "state"
-    run_training(objective, head, data, None, tc, state_dir, group, RunEvents(out), curves=curves)
+    val_data = None
+    if epochs == "auto":  # validations scripted: step 3 (an epoch) is the best, not the final step 4
+        from eagle3_core.training import loop
+
+        scores = iter([1.0, 1.8, 1.7])
+        loop.validate = lambda *args: {"val_decode_acceptance_length": next(scores)}
+        val_data = data[:2]
+    run_training(objective, head, data, val_data, tc, state_dir, group, RunEvents(out), curves=curves)
     # Each rank's own copy (FSDP2 shards gathered), to show the ranks hold one and the same draft.
     state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in objective.state_dict().items()}
     torch.save(state, Path(out) / f"rank{rank}.pt")
@@ -64,6 +73,17 @@ def test_two_ranks_train_one_draft(tmp_path: Path, sharding: str) -> None:
     rows = read_record(tmp_path / RECORD_FILE)  # rank 0's curves: the whole gradient's norm
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert all(math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0 for row in rows)
+
+
+def test_two_sharded_ranks_keep_the_best_validated_weights(tmp_path: Path) -> None:
+    """epochs auto under FSDP2: the best weights are gathered from the shards, and every rank ends with them."""
+    mp.spawn(worker, args=(2, free_port(), "fsdp2", str(tmp_path), "auto"), nprocs=2, join=True)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    (best,) = (tmp_path / "state").glob("best-*.pt")
+    assert best.name == "best-00000003.pt"
+    kept, final = torch.load(best), torch.load(tmp_path / "state" / "step-00000004.pt", weights_only=False)["model"]
+    assert kept.keys() and all(torch.equal(rank0[k], kept[k]) and torch.equal(rank1[k], kept[k]) for k in kept)
+    assert not torch.equal(kept["draft.fc.weight"], final["draft.fc.weight"])
 
 
 def gradient_worker(rank: int, world: int, port: int, out: str) -> None:
