@@ -82,9 +82,12 @@ FIXED_COMBOS = {
 }
 
 
-def variant_overrides(name: str, changes: dict) -> dict:
-    """Overrides of a variant: BASELINE + changes, or nothing (the config defaults) for `new_default`."""
-    return {} if name == "new_default" else {**BASELINE, **changes}
+def variant_overrides(name: str, changes: dict, on_defaults: bool = False) -> dict:
+    """Overrides of a variant: BASELINE + changes (the changes alone `on_defaults`), or nothing (the config
+    defaults) for `new_default`."""
+    if name == "new_default":
+        return {}
+    return dict(changes) if on_defaults else {**BASELINE, **changes}
 
 
 def as_sets(overrides: dict) -> list[str]:
@@ -199,18 +202,15 @@ def vllm_rows(report) -> dict:
     return rows
 
 
-def measure_in_vllm(args: argparse.Namespace, draft_dir: Path) -> dict:
-    """tau and per-position acceptance at k in vLLM for one exported draft on the configured prompt sets,
-    every prompt at `--concurrency` (greedy: acceptance does not depend on the batch), then the same prompts
-    without the draft: outputs must be identical (fp32 server). No batch-1 timing, so minutes, not an hour."""
+def measure_in_vllm(args: argparse.Namespace, drafts: list[Path]) -> dict:
+    """tau and per-position acceptance at k in vLLM for each exported draft on the configured prompt sets,
+    every prompt at `--concurrency` (greedy: acceptance does not depend on the batch), after the same prompts
+    on one plain server (no draft): every draft's outputs must be identical to its (fp32 server). One server
+    start per draft plus one, no batch-1 timing, so minutes, not an hour."""
     from eagle3_core.artifacts import SampleSet
     from eagle3_core.config import load_config
     from eagle3_core.evaluation.phase import collect_prompts
-    from eagle3_core.evaluation.stats import AcceptanceStats
-    from eagle3_core.evaluation.vllm_measure import OpenAIClient, run_prompts, spec_counters, speculative_args
     from eagle3_core.events import RunEvents
-    from eagle3_core.progress import ignore_progress
-    from eagle3_core.serving.engine import VllmServer
     from eagle3_core.target.prepare import prepare_target
 
     cfg = load_config(args.config, args.set)
@@ -219,38 +219,70 @@ def measure_in_vllm(args: argparse.Namespace, draft_dir: Path) -> dict:
     sample_set = SampleSet.load(Path(args.samples) if args.samples else Path(cfg.run_dir) / "samples")
     prompt_sets = collect_prompts(cfg, sample_set)
     k = cfg.evaluation.num_speculative_tokens
-    result: dict = {"draft": str(draft_dir), "k": k, "server_dtype": cfg.server.dtype, "sets": {}}
-    outputs: dict[bool, dict[str, list[str]]] = {}
-    for with_draft in (True, False):
-        extra = speculative_args(draft_dir, k, cfg.server.extra_args) if with_draft else []
-        start = time.monotonic()
-        with VllmServer(cfg.server, target.root_path, cfg.run_dir, events, extra_args=extra, phase="quality") as server:
-            client = OpenAIClient(server.base_url, server.api_key, cfg.sampling.request_timeout_s)
-            model, outputs[with_draft] = client.model_id(), {}
-            for name, prompts in prompt_sets.items():
-                before = spec_counters(client.metrics()) if with_draft else None
-                run = run_prompts(
-                    client, model, prompts, cfg.evaluation.max_new_tokens, args.concurrency, ignore_progress, name
-                )
-                outputs[with_draft][name] = run.outputs
-                if with_draft:
-                    stats = spec_counters(client.metrics()).minus(before).to_stats().truncated(k)
-                    result["sets"][name] = {
-                        "prompts": len(prompts),
-                        "tau": round(stats.acceptance_length, 4),
-                        "per_position": [round(r, 4) for r in stats.per_position],
-                        "acceptance": stats.to_json(),
-                    }
-            client.close()
-        result[f"{'draft' if with_draft else 'plain'}_server_s"] = round(time.monotonic() - start, 1)
-    for name, texts in outputs[True].items():
-        same = sum(a == b for a, b in zip(texts, outputs[False][name], strict=True))
-        result["sets"][name]["identical_outputs"] = f"{same}/{len(texts)}"
-    pooled = AcceptanceStats.from_json(result["sets"][next(iter(result["sets"]))]["acceptance"])
-    for name in list(result["sets"])[1:]:
-        pooled = pooled.merge(AcceptanceStats.from_json(result["sets"][name]["acceptance"]))
-    result["all"] = {"tau": round(pooled.acceptance_length, 4), "per_position": pooled.per_position}
+    saved = Path(args.plain_outputs) if args.plain_outputs else None
+    if saved is not None and saved.is_file():  # a measurement cut short resumes without the plain pass
+        plain, plain_s = json.loads(saved.read_text())["outputs"], None
+    else:
+        plain, plain_s, _ = served_outputs(cfg, target, events, prompt_sets, None, args.concurrency)
+        if saved is not None:
+            saved.write_text(json.dumps({"outputs": plain}, indent=1) + "\n")
+    previous = json.loads(Path(args.out).read_text()).get("drafts", []) if args.out and Path(args.out).is_file() else []
+    result: dict = {"k": k, "server_dtype": cfg.server.dtype, "plain_server_s": plain_s, "drafts": previous}
+    for draft_dir in drafts:
+        if any(row["draft"] == str(draft_dir) for row in previous):
+            continue
+        row = served_acceptance(cfg, target, events, prompt_sets, draft_dir, plain, args.concurrency)
+        result["drafts"].append(row)
+        print(json.dumps({"draft": str(draft_dir), "all": row["all"]}), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"machine": machine(), **result}, indent=2) + "\n")
     return result
+
+
+def served_outputs(cfg, target, events, prompt_sets: dict, draft_dir: Path | None, concurrency: int):
+    """({set: texts}, server seconds, {set: the engine's spec-decode counters over that set}: empty without a
+    draft) from one vLLM server, with `draft_dir` as its eagle3 draft or plain."""
+    from eagle3_core.evaluation.vllm_measure import OpenAIClient, run_prompts, spec_counters, speculative_args
+    from eagle3_core.progress import ignore_progress
+    from eagle3_core.serving.engine import VllmServer
+
+    k = cfg.evaluation.num_speculative_tokens
+    extra = speculative_args(draft_dir, k, cfg.server.extra_args) if draft_dir else []
+    outputs, counters = {}, {}
+    start = time.monotonic()
+    with VllmServer(cfg.server, target.root_path, cfg.run_dir, events, extra_args=extra, phase="quality") as server:
+        client = OpenAIClient(server.base_url, server.api_key, cfg.sampling.request_timeout_s)
+        model = client.model_id()
+        for name, prompts in prompt_sets.items():
+            before = spec_counters(client.metrics()) if draft_dir else None
+            run = run_prompts(client, model, prompts, cfg.evaluation.max_new_tokens, concurrency, ignore_progress, name)
+            outputs[name] = run.outputs
+            if draft_dir:
+                counters[name] = spec_counters(client.metrics()).minus(before)
+        client.close()
+    return outputs, round(time.monotonic() - start, 1), counters
+
+
+def served_acceptance(cfg, target, events, prompt_sets: dict, draft_dir: Path, plain: dict, concurrency: int) -> dict:
+    """One draft's row of `measure_in_vllm`: per set and pooled, tau, per position, identical outputs."""
+
+    k = cfg.evaluation.num_speculative_tokens
+    outputs, seconds, counters = served_outputs(cfg, target, events, prompt_sets, draft_dir, concurrency)
+    row: dict = {"draft": str(draft_dir), "draft_server_s": seconds, "sets": {}}
+    pooled = None
+    for name, texts in outputs.items():
+        stats = counters[name].to_stats().truncated(k)
+        same = sum(a == b for a, b in zip(texts, plain[name], strict=True))
+        row["sets"][name] = {
+            "prompts": len(texts),
+            "tau": round(stats.acceptance_length, 4),
+            "per_position": [round(r, 4) for r in stats.per_position],
+            "identical_outputs": f"{same}/{len(texts)}",
+            "acceptance": stats.to_json(),
+        }
+        pooled = stats if pooled is None else pooled.merge(stats)
+    row["all"] = {"tau": round(pooled.acceptance_length, 4), "per_position": [round(r, 4) for r in pooled.per_position]}
+    return row
 
 
 def run_batch(args: argparse.Namespace, variants: dict[str, dict], results: list[dict]) -> None:
@@ -331,7 +363,11 @@ def main() -> None:
     parser.add_argument("--longer", action="store_true", help="Then the best with 4 epochs and with TTT 5.")
     parser.add_argument("--jobs", type=int, default=1, help="Variants trained at once (processes; GPU).")
     parser.add_argument("--out", help="Results JSON (rewritten after every variant).")
-    parser.add_argument("--measure", type=Path, help="Only measure this exported draft in vLLM (see measure_in_vllm).")
+    parser.add_argument(
+        "--measure", type=Path, action="append", help="Only measure these exported drafts in vLLM (measure_in_vllm)."
+    )
+    parser.add_argument("--plain-outputs", help="With --measure: write the plain server's outputs here (JSON).")
+    parser.add_argument("--on-defaults", action="store_true", help="Variants change the config defaults, not BASELINE.")
     parser.add_argument("--concurrency", type=int, default=16, help="Requests in flight of --measure.")
     args = parser.parse_args()
     if args.measure:
@@ -348,7 +384,7 @@ def main() -> None:
     print(json.dumps({"machine": machine(), **{k: round(v, 1) for k, v in walls.items()}}), flush=True)
     results: list[dict] = [{"variant": "shared_phases", **{k: round(v, 1) for k, v in walls.items()}}]
     save(args, results)
-    run_batch(args, {name: variant_overrides(name, everything[name]) for name in chosen}, results)
+    run_batch(args, {n: variant_overrides(n, everything[n], args.on_defaults) for n in chosen}, results)
     if args.auto_combine:
         run_batch(args, {n: variant_overrides(n, c) for n, c in combinations(results).items()}, results)
     if args.longer:

@@ -7,6 +7,8 @@
 #   bash bench/gpu/h200.sh kimi     (staged with --moe) the Kimi-shaped W4A16 MLA target written with random
 #                                   weights, the flow on it with the Llama-shaped draft, then the MLA draft
 #   bash bench/gpu/h200.sh limit    the 8B-shaped target, extraction throughput against the plain engine
+#   bash bench/gpu/h200.sh quality  (vLLM and SGLang staged) issue 28's screening, bench/gpu/quality_runs.py:
+#                                   sample sets, variants, served acceptance in vLLM, then SGLang beside it
 # Each step ends by $CALL_S (default 570) seconds after it started; a cut flow resumes in the next step.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -59,6 +61,7 @@ backends() {  # which attention, MoE and quantization kernels vLLM chose, from e
 case ${1:-} in
   stash)
     timed python3 -m bench.gpu.device stash
+    [ -d .gpu-stage/sglang ] && timed python3 -m bench.gpu.device stash --engine sglang
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
     python3 -m pip list --format=freeze >"$OUT/device-pip-freeze.txt" 2>/dev/null
     ;;
@@ -105,8 +108,16 @@ case ${1:-} in
     tail -c 300000 "$T/limit/extract/server/extraction.log" >"$OUT/limit-extraction.log" 2>/dev/null
     rm -rf "$T/limit"
     ;;
+  quality)
+    timed python3 -m bench.gpu.device install || exit 1
+    timed python3 -m bench.gpu.device install --engine sglang || exit 1
+    timed timeout -s TERM -k 20 $((END - SECONDS - 30)) python3 -m bench.gpu.quality_runs --work "$T/quality" \
+      --out "$OUT/quality" --sglang-site "$(python3 -m bench.gpu.device site --engine sglang)" \
+      --set "target.cache_dir=$T/cache" "${EXTRA[@]}" 2>&1 | grep -v " | DEBUG" | tail -60
+    tail -n 40 "$OUT"/quality/*.log >"$OUT/quality-log-tails.txt" 2>/dev/null
+    ;;
   *)
-    echo "usage: bash bench/gpu/h200.sh stash|run|finish|kimi|limit" >&2
+    echo "usage: bash bench/gpu/h200.sh stash|run|finish|kimi|limit|quality" >&2
     exit 2
     ;;
 esac

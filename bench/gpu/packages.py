@@ -155,16 +155,13 @@ def pinned_specs(
     return specs
 
 
-def pip_download_command(python: str, specs: list[str], dest: str) -> list[str]:
+def pip_download_command(python: str, specs: list[str], dest: str, glibc_2_34: bool = False) -> list[str]:
     """`pip download` of binary wheels for the device (CPython 3.12, manylinux x86-64), no dependencies;
-    llguidance is built only for manylinux_2_31, sglang 0.5.14 only for manylinux_2_34 (the image's glibc 2.39)."""
-    platforms = [
-        "manylinux_2_34_x86_64",
-        "manylinux_2_31_x86_64",
-        "manylinux_2_28_x86_64",
-        "manylinux_2_27_x86_64",
-        "manylinux_2_17_x86_64",
-    ]
+    llguidance is built only for manylinux_2_31, sglang 0.5.14 only for manylinux_2_34 (`glibc_2_34`: the
+    image's Python 3.12.3 is Ubuntu 24.04's, glibc 2.39; left out for the vLLM set, whose wheels were chosen
+    and checked there without it)."""
+    platforms = ["manylinux_2_34_x86_64"] if glibc_2_34 else []
+    platforms += ["manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64"]
     platforms += ["manylinux2014_x86_64", "manylinux1_x86_64"]
     command = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12"]
     command += ["--implementation", "cp", "--abi", "cp312", "--abi", "abi3", "--abi", "none", "-d", dest]

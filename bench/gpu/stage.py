@@ -119,7 +119,8 @@ def main() -> None:
     download = STAGE / ("download" if args.engine == "vllm" else f"download-{args.engine}")
     download.mkdir(parents=True, exist_ok=True)
     specs = wheel_specs(KINDS_MD.read_text()) if args.engine == "vllm" else sglang_specs()
-    subprocess.run(pip_download_command(sys.executable, specs, str(download)), check=True)
+    command = pip_download_command(sys.executable, specs, str(download), glibc_2_34=args.engine == "sglang")
+    subprocess.run(command, check=True)
     check_carried(sorted(download.glob("*.whl")))
     for old in folder.glob("call-*"):
         for file in old.iterdir():

@@ -1,0 +1,200 @@
+"""Issue 28's screening on the lent H200 (`bash bench/gpu/h200.sh quality`), one idempotent pass per device
+call: a stage whose files are there is skipped, so a call cut at its end resumes in the next.
+
+1. samples: one vLLM server (our `VllmServer`, the config's server settings) and every data setting's sample
+   set through it at once (`eagle3 sample`, server.engine external): greedy answers (the protocol), 2 and 4
+   responses a prompt at temperature 0.7, and the greedy answers again for the 49152-token vocabulary;
+2. training: bench/quality.py per data setting (hf extraction, then the variants in processes on the one GPU,
+   --no-eval): validation tau over every position and over a decode's rounds;
+3. served: bench/quality.py --measure, the finalists' drafts in vLLM on HumanEval (164) and the run's 60
+   held-out prompts after one plain pass, each draft saved as it finishes;
+4. sglang: bench/gpu/sglang_acceptance.py with the best served draft and the one trained without
+   norm_before_residual, beside vLLM's numbers for both.
+
+Every variant is a change on the config defaults (the recipe of issue 17, `F`); compute stays within 4 epochs
+of the greedy set (n responses train 4 / n epochs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "h200-quality.yaml"
+SAMPLED = ["sampling.temperature=0.7", "sampling.top_p=0.95"]
+DATA = {
+    "n1": [],
+    "n2": ["sampling.responses_per_prompt=2", *SAMPLED],
+    "n4": ["sampling.responses_per_prompt=4", *SAMPLED],
+    "v49152": ["vocab.draft_vocab_size=49152"],
+}
+FOUR = {"training.epochs": 4}
+VARIANTS = {
+    "n1": {
+        "F_2ep": {},
+        "F_4ep": FOUR,
+        "F_auto": {"training.epochs": "auto"},
+        "F_4ep_prompt": {**FOUR, "training.loss_on_prompt": True},
+        "F_4ep_noise": {**FOUR, "training.input_noise": 0.2},
+        "F_4ep_ema": {**FOUR, "training.ema_decay": 0.995},
+        "F_4ep_no_nbr": {**FOUR, "training.norm_before_residual": False},
+    },
+    "n2": {"F_n2_2ep": {"training.epochs": 2}},
+    "n4": {"F_n4_1ep": {"training.epochs": 1}},
+    "v49152": {"F_4ep_v49152": FOUR},
+}
+LEVERS = ("F_4ep_prompt", "F_4ep_noise", "F_4ep_ema")
+# Served first where the device time may end: the 4-epoch reference, the choices of items 2 and 3, the best lever.
+SERVED_ORDER = ("F_4ep", "F_auto", "F_n4_1ep", "best_lever", "F_2ep", "F_n2_2ep", "F_4ep_v49152", "F_4ep_no_nbr")
+
+
+def run_dir(work: Path, data: str) -> Path:
+    return work / f"q-{data}"
+
+
+def sets_of(work: Path, data: str, extra: list[str], defaults: tuple[str, ...] = ()) -> list[str]:
+    """A data setting's overrides: its run folder and sampling, then `defaults`, then the caller's (which win)."""
+    return [f"run_dir={run_dir(work, data)}", *DATA[data], *defaults, *extra]
+
+
+def as_args(sets: list[str]) -> list[str]:
+    return [arg for item in sets for arg in ("--set", item)]
+
+
+def start_logged(command: list[str], log: Path) -> subprocess.Popen:
+    """Start `command` with stdout and stderr into `log` (the child keeps the file open, the parent not)."""
+    with open(log, "w") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+
+
+def sampled(work: Path, data: str) -> bool:
+    return (run_dir(work, data) / "samples" / "sample_set.json").is_file()
+
+
+def sample_everything(work: Path, extra: list[str], log_dir: Path) -> None:
+    """Stage 1: one server, every data setting's `eagle3 sample` against it at once."""
+    from eagle3_core.config import load_config
+    from eagle3_core.events import RunEvents
+    from eagle3_core.serving.engine import VllmServer
+    from eagle3_core.target.prepare import prepare_target
+
+    todo = [data for data in DATA if not sampled(work, data)]
+    if not todo:
+        print("samples: every data setting sampled (cached)", flush=True)
+        return
+    cfg = load_config(CONFIG, sets_of(work, "n1", extra, ("server.enforce_eager=false",)))  # CUDA graphs: decode
+    events = RunEvents(work / "server-run")
+    target = prepare_target(cfg.target, events)
+    with VllmServer(cfg.server, target.root_path, work / "server-run", events, phase="sampling") as server:
+        external = ["server.engine=external", f"server.url={server.base_url}"]
+        jobs = {}
+        for data in todo:
+            command = [sys.executable, "-m", "cli", "sample", "-c", str(CONFIG)]
+            command += as_args([*sets_of(work, data, extra), *external])
+            jobs[data] = start_logged(command, log_dir / f"sample-{data}.log")
+        for data, job in jobs.items():
+            print(f"samples {data}: rc {job.wait()}", flush=True)
+
+
+def train_everything(work: Path, extra: list[str], log_dir: Path, jobs: int) -> dict[str, list[dict]]:
+    """Stage 2: bench/quality.py per data setting at once; their results (cached runs return at once)."""
+    running = {}
+    for data, variants in VARIANTS.items():
+        command = [sys.executable, str(REPO / "bench" / "quality.py"), "--config", str(CONFIG), "--no-eval"]
+        command += ["--samples", str(run_dir(work, data) / "samples"), "--on-defaults", "--jobs", str(jobs)]
+        command += ["--variants", ",".join(variants), "--extra-variants", json.dumps(variants)]
+        command += ["--out", str(log_dir / f"train-{data}.json"), *as_args(sets_of(work, data, extra))]
+        running[data] = start_logged(command, log_dir / f"train-{data}.log")
+    results = {}
+    for data, job in running.items():
+        print(f"training {data}: rc {job.wait()}", flush=True)
+        path = log_dir / f"train-{data}.json"
+        results[data] = json.loads(path.read_text())["results"] if path.is_file() else []
+    return results
+
+
+def finalists(results: dict[str, list[dict]]) -> dict[str, str]:
+    """name -> exported draft of every trained variant in SERVED_ORDER, `best_lever` the lever with the highest
+    decode-round validation tau."""
+    rows = {row["variant"]: row for data in results.values() for row in data if "export" in row}
+    levers = [rows[name] for name in LEVERS if name in rows]
+    if levers:
+        rows["best_lever"] = max(levers, key=lambda row: row["val_decode_tau_k3"])
+    return {name: rows[name]["export"] for name in SERVED_ORDER if name in rows}
+
+
+def measure_served(work: Path, extra: list[str], log_dir: Path, drafts: dict[str, str]) -> dict:
+    """Stage 3: every finalist in vLLM after one plain pass; resumes past drafts already measured."""
+    unique = list(dict.fromkeys(drafts.values()))
+    command = [sys.executable, str(REPO / "bench" / "quality.py"), "--config", str(CONFIG)]
+    command += ["--samples", str(run_dir(work, "n1") / "samples"), "--concurrency", "16"]
+    command += ["--plain-outputs", str(log_dir / "vllm-plain-outputs.json"), "--out", str(log_dir / "served.json")]
+    command += [arg for draft in unique for arg in ("--measure", draft)]
+    command += as_args(sets_of(work, "n1", [*extra, f"run_dir={work / 'served-run'}"]))
+    with open(log_dir / "served.log", "a") as log:
+        print(f"served: rc {subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode}", flush=True)
+    path = log_dir / "served.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def measure_sglang(
+    work: Path, extra: list[str], log_dir: Path, drafts: dict[str, str], served: dict, site: Path
+) -> None:
+    """Stage 4: SGLang with the best served draft and the one without norm_before_residual."""
+    from eagle3_core.config import load_config
+    from eagle3_core.events import RunEvents
+    from eagle3_core.target.prepare import prepare_target
+
+    by_draft = {row["draft"]: row["all"]["tau"] for row in served.get("drafts", [])}
+    measured = {name: path for name, path in drafts.items() if path in by_draft}
+    if not measured:
+        print("sglang: no served draft yet", flush=True)
+        return
+    best = max(measured, key=lambda name: by_draft[measured[name]])
+    target = prepare_target(load_config(CONFIG, sets_of(work, "n1", extra)).target, RunEvents(work / "server-run"))
+    for name in dict.fromkeys([best, "F_4ep_no_nbr"]):
+        out = log_dir / f"sglang-{name}.json"
+        if name not in drafts or out.is_file():
+            continue
+        command = [sys.executable, "-m", "bench.gpu.sglang_acceptance", "-c", str(CONFIG), "--samples"]
+        command += [str(run_dir(work, "n1") / "samples"), "--target", str(target.root_path), "--draft", drafts[name]]
+        command += ["--site", str(site), "--plain-outputs", str(log_dir / "vllm-plain-outputs.json"), "--out", str(out)]
+        command += as_args(sets_of(work, "n1", extra))
+        with open(log_dir / f"sglang-{name}.log", "w") as log:
+            rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+        print(f"sglang {name} (vLLM tau {by_draft.get(drafts[name])}): rc {rc}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, required=True, help="run folders (the device's temp dir)")
+    parser.add_argument("--out", type=Path, required=True, help="results and logs that come back")
+    parser.add_argument("--sglang-site", type=Path, required=True)
+    parser.add_argument("--set", action="append", default=[], help="more overrides for every run")
+    parser.add_argument("--jobs", type=int, default=7, help="variants trained at once per data setting")
+    parser.add_argument("--stages", default="samples,training,served,sglang")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    stages = args.stages.split(",")
+    start = time.monotonic()
+    if "samples" in stages:
+        sample_everything(args.work, args.set, args.out)
+    results = train_everything(args.work, args.set, args.out, args.jobs) if "training" in stages else {}
+    drafts = finalists(results)
+    (args.out / "finalists.json").write_text(json.dumps(drafts, indent=1) + "\n")
+    served = measure_served(args.work, args.set, args.out, drafts) if "served" in stages else {}
+    if "sglang" in stages:
+        measure_sglang(args.work, args.set, args.out, drafts, served, args.sglang_site)
+    print(f"quality_runs: {time.monotonic() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    os.chdir(REPO)
+    sys.path.insert(0, str(REPO))
+    main()
