@@ -399,7 +399,7 @@ class TrainingConfig(Section):
         json_schema_extra=content("training"),
     )
     epochs: Literal["auto"] | PositiveFloat = Field(
-        2.0,
+        4.0,
         description="Passes over the training samples; auto: up to max_epochs, validated after each, stopping when "
         "val_decode_acceptance_length stops improving and keeping the best epoch (needs holdout_fraction > 0).",
         json_schema_extra=content("training"),

@@ -55,6 +55,10 @@ WEIGHT_NAMES: dict[str, str] = {
 # The recipe flags written to config.json (vLLM 0.32's `llama_eagle3` reads each at the top level; its
 # `deepseek_eagle3` all but norm_before_fc, which it would ignore: the MLA draft refuses it).
 RECIPE_FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+# The recipe flags SGLang 0.5.14's EAGLE-3 layers do not read (their residual is always the raw input, and they
+# have no input_norm): it loads such a draft without a word and runs another layer than the one trained (on the H200,
+# 0.13 fewer tokens a step than vLLM, bench/RESULTS.md issue 28).
+SGLANG_IGNORED_FLAGS = ("norm_before_fc", "norm_before_residual")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # Integer/bool tensors keep their dtype; every float tensor is written in the export dtype.
 INDEX_TENSORS = {"d2t": torch.int64, "t2d": torch.bool}
@@ -127,6 +131,12 @@ def config_from_hf(data: dict) -> DraftConfig:
         architecture=architecture,
         **mla,
     )
+
+
+def sglang_ignores(config: DraftConfig) -> list[str]:
+    """The recipe flags this draft trained with that SGLang would not build (`SGLANG_IGNORED_FLAGS`; its MLA
+    draft, `kimi_k25_eagle3.py`, reads the same two flags as its Llama one)."""
+    return [flag for flag in SGLANG_IGNORED_FLAGS if getattr(config, flag)]
 
 
 def attention_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:

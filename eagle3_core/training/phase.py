@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap, record_files
 from eagle3_core.config import PipelineConfig
-from eagle3_core.draft.export import export_draft, load_exported
+from eagle3_core.draft.export import export_draft, load_exported, sglang_ignores
 from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_core.draft.shape import trained_draft_config
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
@@ -183,8 +183,19 @@ def train_draft(
         checkpoint.save()
         summary = ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith(("val_top1", "val_accept")))
         events.record(PHASE, DECISION, f"trained {step} steps; {summary}", digest=checkpoint.digest)
+        if ignored := sglang_ignores(draft_config):
+            events.record(PHASE, DECISION, sglang_warning(ignored), ignored_by_sglang=ignored)
     barrier(group)
     return checkpoint or DraftCheckpoint.load(out_dir)
+
+
+def sglang_warning(ignored: list[str]) -> str:
+    """The export's one line for a draft SGLang would serve as another layer than the one trained."""
+    flags = " and ".join(f"training.{flag}" for flag in ignored)
+    return (
+        f"exported for vLLM: SGLang 0.5.14 does not read {flags} and would serve another layer than the one "
+        f"trained (lower acceptance, no error); for SGLang train with {' and '.join(f'{f}=false' for f in ignored)}"
+    )
 
 
 def export_training_state(

@@ -3,13 +3,14 @@ round trip through `load_exported`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_core.draft.export import check_checkpoint, checkpoint_tensors, export_draft, load_exported
+from eagle3_core.draft.export import check_checkpoint, checkpoint_tensors, export_draft, load_exported, sglang_ignores
 from eagle3_core.draft.model import DraftKVCache, Eagle3Draft
 from tests.helpers.drafts import tiny_draft
 
@@ -70,3 +71,15 @@ def test_load_exported_needs_embeddings(tmp_path) -> None:
     export_draft(float_draft(), tmp_path)
     with pytest.raises(ValueError, match="embed_tokens"):
         load_exported(tmp_path)
+
+
+def test_sglang_ignores_the_flags_its_eagle3_layers_do_not_read() -> None:
+    config = tiny_draft().config
+    for flags, ignored in (
+        (
+            {"norm_before_fc": True, "norm_before_residual": True, "fc_norm": True},
+            ["norm_before_fc", "norm_before_residual"],
+        ),
+        ({"norm_before_fc": False, "norm_before_residual": False, "fc_norm": True, "norm_output": True}, []),
+    ):
+        assert sglang_ignores(dataclasses.replace(config, **flags)) == ignored, flags

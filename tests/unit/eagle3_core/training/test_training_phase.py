@@ -49,6 +49,11 @@ def test_train_draft_end_to_end(request, tmp_path, sample_set, target_name, ema_
 
     assert checkpoint.step == 4 and checkpoint.layer_ids == hidden.layer_ids
     assert {"val_top1_0", "val_acceptance_length", "initial_val_top1_0", "loss"} <= set(checkpoint.metrics)
+    # The default recipe trains norm_before_residual, which SGLang does not build: the export says so once.
+    [warning] = [e for e in events.read() if "SGLang" in e.get("message", "")]
+    assert (
+        warning["ignored_by_sglang"] == ["norm_before_residual"] and "norm_before_residual=false" in warning["message"]
+    )
     export = checkpoint.path_of("export")
     exported_config = json.loads((export / "config.json").read_text())
     assert exported_config["eagle_aux_hidden_state_layer_ids"] == hidden.layer_ids
