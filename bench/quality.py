@@ -204,9 +204,12 @@ def vllm_rows(report) -> dict:
 
 def measure_in_vllm(args: argparse.Namespace, drafts: list[Path]) -> dict:
     """tau and per-position acceptance at k in vLLM for each exported draft on the configured prompt sets,
-    every prompt at `--concurrency` (greedy: acceptance does not depend on the batch), after the same prompts
+    every prompt at `--concurrency` (greedy: acceptance does not depend on the batch), beside the same prompts
     on one plain server (no draft): every draft's outputs must be identical to its (fp32 server). One server
-    start per draft plus one, no batch-1 timing, so minutes, not an hour."""
+    start per draft plus one, `--parallel` of them at once (on a GPU each its own share of the memory: say so
+    with server.gpu_memory_utilization), in rounds that start together, so that no server stops while
+    another profiles its memory; no batch-1 timing, so minutes, not an hour. Drafts already in `--out` are
+    skipped, and the plain outputs are read back from `--plain-outputs` where they were saved."""
     from eagle3_core.artifacts import SampleSet
     from eagle3_core.config import load_config
     from eagle3_core.evaluation.phase import collect_prompts
@@ -214,43 +217,59 @@ def measure_in_vllm(args: argparse.Namespace, drafts: list[Path]) -> dict:
     from eagle3_core.target.prepare import prepare_target
 
     cfg = load_config(args.config, args.set)
-    events = RunEvents(cfg.run_dir)
-    target = prepare_target(cfg.target, events)
-    sample_set = SampleSet.load(Path(args.samples) if args.samples else Path(cfg.run_dir) / "samples")
-    prompt_sets = collect_prompts(cfg, sample_set)
-    k = cfg.evaluation.num_speculative_tokens
+    target = prepare_target(cfg.target, RunEvents(cfg.run_dir))
+    samples = Path(args.samples) if args.samples else Path(cfg.run_dir) / "samples"
+    prompt_sets = collect_prompts(cfg, SampleSet.load(samples) if samples.is_dir() else None)  # None: HumanEval
     saved = Path(args.plain_outputs) if args.plain_outputs else None
-    if saved is not None and saved.is_file():  # a measurement cut short resumes without the plain pass
-        plain, plain_s = json.loads(saved.read_text())["outputs"], None
-    else:
-        plain, plain_s, _ = served_outputs(cfg, target, events, prompt_sets, None, args.concurrency)
-        if saved is not None:
-            saved.write_text(json.dumps({"outputs": plain}, indent=1) + "\n")
+    plain = json.loads(saved.read_text())["outputs"] if saved is not None and saved.is_file() else None
     previous = json.loads(Path(args.out).read_text()).get("drafts", []) if args.out and Path(args.out).is_file() else []
-    result: dict = {"k": k, "server_dtype": cfg.server.dtype, "plain_server_s": plain_s, "drafts": previous}
-    for draft_dir in drafts:
-        if any(row["draft"] == str(draft_dir) for row in previous):
-            continue
-        row = served_acceptance(cfg, target, events, prompt_sets, draft_dir, plain, args.concurrency)
-        result["drafts"].append(row)
-        print(json.dumps({"draft": str(draft_dir), "all": row["all"]}), flush=True)
-        if args.out:
-            Path(args.out).write_text(json.dumps({"machine": machine(), **result}, indent=2) + "\n")
+    result: dict = {"k": cfg.evaluation.num_speculative_tokens, "server_dtype": cfg.server.dtype, "drafts": previous}
+    done = {row["draft"] for row in previous}
+    jobs: list[Path | None] = ([None] if plain is None else []) + [d for d in drafts if str(d) not in done]
+    waiting: dict[Path, tuple] = {}  # draft -> its server's (outputs, seconds, counters) until plain is there
+    pool = ProcessPoolExecutor(max(args.parallel, 1), mp_context=get_context("spawn"))
+    for first in range(0, len(jobs), max(args.parallel, 1)):
+        batch = {
+            pool.submit(served_outputs, cfg, target, prompt_sets, draft, args.concurrency, first + i): draft
+            for i, draft in enumerate(jobs[first : first + max(args.parallel, 1)])
+        }
+        for future in as_completed(batch):
+            draft = batch[future]
+            if (error := future.exception()) is not None:  # the next call measures it again
+                print(f"served {draft or 'plain'}: {error!r}", flush=True)
+                continue
+            if draft is None:
+                plain, result["plain_server_s"] = future.result()[0], future.result()[1]
+                if saved is not None:
+                    saved.write_text(json.dumps({"outputs": plain}, indent=1) + "\n")
+            else:
+                waiting[draft] = future.result()
+            for ready in list(waiting) if plain is not None else []:
+                row = acceptance_row(cfg.evaluation.num_speculative_tokens, ready, *waiting.pop(ready), plain)
+                result["drafts"].append(row)
+                print(json.dumps({"draft": str(ready), "all": row["all"]}), flush=True)
+                if args.out:
+                    Path(args.out).write_text(json.dumps({"machine": machine(), **result}, indent=2) + "\n")
+    pool.shutdown()
     return result
 
 
-def served_outputs(cfg, target, events, prompt_sets: dict, draft_dir: Path | None, concurrency: int):
+def served_outputs(cfg, target, prompt_sets: dict, draft_dir: Path | None, concurrency: int, slot: int = 0):
     """({set: texts}, server seconds, {set: the engine's spec-decode counters over that set}: empty without a
-    draft) from one vLLM server, with `draft_dir` as its eagle3 draft or plain."""
+    draft) from one vLLM server, with `draft_dir` as its eagle3 draft or plain. `slot` gives the server its
+    own folder under the run (a server's start stops every server of its folder left by a crash)."""
     from eagle3_core.evaluation.vllm_measure import OpenAIClient, run_prompts, spec_counters, speculative_args
+    from eagle3_core.events import RunEvents
     from eagle3_core.progress import ignore_progress
     from eagle3_core.serving.engine import VllmServer
 
     k = cfg.evaluation.num_speculative_tokens
     extra = speculative_args(draft_dir, k, cfg.server.extra_args) if draft_dir else []
+    folder = Path(cfg.run_dir) / "servers" / f"slot-{slot}"
     outputs, counters = {}, {}
     start = time.monotonic()
-    with VllmServer(cfg.server, target.root_path, cfg.run_dir, events, extra_args=extra, phase="quality") as server:
+    server = VllmServer(cfg.server, target.root_path, folder, RunEvents(folder), extra_args=extra, phase="quality")
+    with server:
         client = OpenAIClient(server.base_url, server.api_key, cfg.sampling.request_timeout_s)
         model = client.model_id()
         for name, prompts in prompt_sets.items():
@@ -263,11 +282,8 @@ def served_outputs(cfg, target, events, prompt_sets: dict, draft_dir: Path | Non
     return outputs, round(time.monotonic() - start, 1), counters
 
 
-def served_acceptance(cfg, target, events, prompt_sets: dict, draft_dir: Path, plain: dict, concurrency: int) -> dict:
+def acceptance_row(k: int, draft_dir: Path, outputs: dict, seconds: float, counters: dict, plain: dict) -> dict:
     """One draft's row of `measure_in_vllm`: per set and pooled, tau, per position, identical outputs."""
-
-    k = cfg.evaluation.num_speculative_tokens
-    outputs, seconds, counters = served_outputs(cfg, target, events, prompt_sets, draft_dir, concurrency)
     row: dict = {"draft": str(draft_dir), "draft_server_s": seconds, "sets": {}}
     pooled = None
     for name, texts in outputs.items():
@@ -369,6 +385,7 @@ def main() -> None:
     parser.add_argument("--plain-outputs", help="With --measure: write the plain server's outputs here (JSON).")
     parser.add_argument("--on-defaults", action="store_true", help="Variants change the config defaults, not BASELINE.")
     parser.add_argument("--concurrency", type=int, default=16, help="Requests in flight of --measure.")
+    parser.add_argument("--parallel", type=int, default=1, help="Servers of --measure at once (GPU).")
     args = parser.parse_args()
     if args.measure:
         result = {"machine": machine(), "command": " ".join(sys.argv), **measure_in_vllm(args, args.measure)}

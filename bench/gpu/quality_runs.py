@@ -3,13 +3,13 @@ call: a stage whose files are there is skipped, so a call cut at its end resumes
 
 1. samples: one vLLM server (our `VllmServer`, the config's server settings) and every data setting's sample
    set through it at once (`eagle3 sample`, server.engine external): greedy answers (the protocol), 2 and 4
-   responses a prompt at temperature 0.7, and the greedy answers again for the 49152-token vocabulary;
+   responses a prompt at temperature 0.7; the 49152-token vocabulary trains on the same answers;
 2. training: bench/quality.py per data setting (hf extraction, then the variants in processes on the one GPU,
    --no-eval): validation tau over every position and over a decode's rounds;
 3. served: bench/quality.py --measure, the finalists' drafts in vLLM on HumanEval (164) and the run's 60
-   held-out prompts after one plain pass, each draft saved as it finishes;
-4. sglang: bench/gpu/sglang_acceptance.py with the best served draft and the one trained without
-   norm_before_residual, beside vLLM's numbers for both.
+   held-out prompts beside one plain pass, PARALLEL_SERVERS servers at once, each draft saved as it finishes;
+4. sglang (with --stages ...,sglang): bench/gpu/sglang_acceptance.py with the best served draft and the one
+   trained without norm_before_residual, beside vLLM's numbers for both.
 
 Every variant is a change on the config defaults (the recipe of issue 17, `F`); compute stays within 4 epochs
 of the greedy set (n responses train 4 / n epochs).
@@ -28,39 +28,65 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "h200-quality.yaml"
 SAMPLED = ["sampling.temperature=0.7", "sampling.top_p=0.95"]
-DATA = {
+FULL_VOCAB = ["vocab.draft_vocab_size=49152"]
+# Data settings: sampling overrides, or (a data setting whose samples are reused, overrides) where only what
+# is built from the samples differs (the vocabulary): the same answers, one sampling.
+DATA: dict[str, list[str] | tuple[str, list[str]]] = {
     "n1": [],
     "n2": ["sampling.responses_per_prompt=2", *SAMPLED],
     "n4": ["sampling.responses_per_prompt=4", *SAMPLED],
-    "v49152": ["vocab.draft_vocab_size=49152"],
+    "v49152": ("n1", FULL_VOCAB),
+    "n4v49152": ("n4", FULL_VOCAB),
 }
 FOUR = {"training.epochs": 4}
+PROMPT_NOISE = {"training.loss_on_prompt": True, "training.input_noise": 0.2}
 VARIANTS = {
     "n1": {
-        "F_2ep": {},
         "F_4ep": FOUR,
-        "F_auto": {"training.epochs": "auto"},
         "F_4ep_prompt": {**FOUR, "training.loss_on_prompt": True},
         "F_4ep_noise": {**FOUR, "training.input_noise": 0.2},
         "F_4ep_ema": {**FOUR, "training.ema_decay": 0.995},
-        "F_4ep_no_nbr": {**FOUR, "training.norm_before_residual": False},
+        "F_4ep_prompt_noise": {**FOUR, **PROMPT_NOISE},
     },
+    "v49152": {"F_4ep_v49152": FOUR, "F_4ep_v49152_prompt_noise": {**FOUR, **PROMPT_NOISE}},
     "n2": {"F_n2_2ep": {"training.epochs": 2}},
     "n4": {"F_n4_1ep": {"training.epochs": 1}},
-    "v49152": {"F_4ep_v49152": FOUR},
+    "n4v49152": {"F_n4_1ep_v49152_prompt_noise": {"training.epochs": 1, **PROMPT_NOISE}},
 }
-LEVERS = ("F_4ep_prompt", "F_4ep_noise", "F_4ep_ema")
-# Served first where the device time may end: the 4-epoch reference, the choices of items 2 and 3, the best lever.
-SERVED_ORDER = ("F_4ep", "F_auto", "F_n4_1ep", "best_lever", "F_2ep", "F_n2_2ep", "F_4ep_v49152", "F_4ep_no_nbr")
+# Served first where the device time may end: the 4-epoch reference of this session, the combinations, the
+# levers alone, more responses.
+SERVED_ORDER = (
+    "F_4ep",
+    "F_4ep_v49152_prompt_noise",
+    "F_4ep_prompt_noise",
+    "F_4ep_v49152",
+    "F_4ep_prompt",
+    "F_4ep_noise",
+    "F_n4_1ep",
+    "F_n4_1ep_v49152_prompt_noise",
+    "F_n2_2ep",
+)
+# Servers at once in the served stage, each with this share of the GPU's memory (SmolLM2 needs ~1 GB).
+PARALLEL_SERVERS, SERVER_MEMORY = 5, 0.16
 
 
 def run_dir(work: Path, data: str) -> Path:
     return work / f"q-{data}"
 
 
+def samples_of(data: str) -> str:
+    """The data setting whose sample set `data` trains on (itself unless it reuses another's)."""
+    return DATA[data][0] if isinstance(DATA[data], tuple) else data
+
+
+def overrides_of(data: str) -> list[str]:
+    setting = DATA[data]
+    return [*DATA[setting[0]], *setting[1]] if isinstance(setting, tuple) else setting
+
+
 def sets_of(work: Path, data: str, extra: list[str], defaults: tuple[str, ...] = ()) -> list[str]:
     """A data setting's overrides: its run folder and sampling, then `defaults`, then the caller's (which win)."""
-    return [f"run_dir={run_dir(work, data)}", *DATA[data], *defaults, *extra]
+    return [f"run_dir={run_dir(work, data)}", *overrides_of(data), *defaults, *extra]
 
 
 def as_args(sets: list[str]) -> list[str]:
@@ -84,7 +110,7 @@ def sample_everything(work: Path, extra: list[str], log_dir: Path) -> None:
     from eagle3_core.serving.engine import VllmServer
     from eagle3_core.target.prepare import prepare_target
 
-    todo = [data for data in DATA if not sampled(work, data)]
+    todo = [data for data in DATA if samples_of(data) == data and not sampled(work, data)]
     if not todo:
         print("samples: every data setting sampled (cached)", flush=True)
         return
@@ -107,7 +133,7 @@ def train_everything(work: Path, extra: list[str], log_dir: Path, jobs: int) -> 
     running = {}
     for data, variants in VARIANTS.items():
         command = [sys.executable, str(REPO / "bench" / "quality.py"), "--config", str(CONFIG), "--no-eval"]
-        command += ["--samples", str(run_dir(work, data) / "samples"), "--on-defaults", "--jobs", str(jobs)]
+        command += ["--samples", str(run_dir(work, samples_of(data)) / "samples"), "--on-defaults", "--jobs", str(jobs)]
         command += ["--variants", ",".join(variants), "--extra-variants", json.dumps(variants)]
         command += ["--out", str(log_dir / f"train-{data}.json"), *as_args(sets_of(work, data, extra))]
         running[data] = start_logged(command, log_dir / f"train-{data}.log")
@@ -120,12 +146,8 @@ def train_everything(work: Path, extra: list[str], log_dir: Path, jobs: int) -> 
 
 
 def finalists(results: dict[str, list[dict]]) -> dict[str, str]:
-    """name -> exported draft of every trained variant in SERVED_ORDER, `best_lever` the lever with the highest
-    decode-round validation tau."""
+    """name -> exported draft of every trained variant in SERVED_ORDER."""
     rows = {row["variant"]: row for data in results.values() for row in data if "export" in row}
-    levers = [rows[name] for name in LEVERS if name in rows]
-    if levers:
-        rows["best_lever"] = max(levers, key=lambda row: row["val_decode_tau_k3"])
     return {name: rows[name]["export"] for name in SERVED_ORDER if name in rows}
 
 
@@ -133,7 +155,8 @@ def measure_served(work: Path, extra: list[str], log_dir: Path, drafts: dict[str
     """Stage 3: every finalist in vLLM after one plain pass; resumes past drafts already measured."""
     unique = list(dict.fromkeys(drafts.values()))
     command = [sys.executable, str(REPO / "bench" / "quality.py"), "--config", str(CONFIG)]
-    command += ["--samples", str(run_dir(work, "n1") / "samples"), "--concurrency", "16"]
+    command += ["--samples", str(run_dir(work, "n1") / "samples"), "--concurrency", "32"]
+    command += ["--parallel", str(PARALLEL_SERVERS), "--set", f"server.gpu_memory_utilization={SERVER_MEMORY}"]
     command += ["--plain-outputs", str(log_dir / "vllm-plain-outputs.json"), "--out", str(log_dir / "served.json")]
     command += [arg for draft in unique for arg in ("--measure", draft)]
     command += as_args(sets_of(work, "n1", [*extra, f"run_dir={work / 'served-run'}"]))
@@ -178,7 +201,7 @@ def main() -> None:
     parser.add_argument("--sglang-site", type=Path, required=True)
     parser.add_argument("--set", action="append", default=[], help="more overrides for every run")
     parser.add_argument("--jobs", type=int, default=7, help="variants trained at once per data setting")
-    parser.add_argument("--stages", default="samples,training,served,sglang")
+    parser.add_argument("--stages", default="samples,training,served")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     stages = args.stages.split(",")
