@@ -242,7 +242,8 @@ def measure_in_vllm(args: argparse.Namespace, drafts: list[Path]) -> dict:
 def served_outputs(cfg, target, events, prompt_sets: dict, draft_dir: Path | None, concurrency: int):
     """({set: texts}, server seconds, {set: the engine's spec-decode counters over that set}: empty without a
     draft) from one vLLM server, with `draft_dir` as its eagle3 draft or plain."""
-    from eagle3_core.evaluation.vllm_measure import OpenAIClient, run_prompts, spec_counters, speculative_args
+    from eagle3_core.evaluation.served import run_prompts
+    from eagle3_core.evaluation.vllm_measure import OpenAIClient, spec_counters, speculative_args
     from eagle3_core.progress import ignore_progress
     from eagle3_core.serving.engine import VllmServer
 
