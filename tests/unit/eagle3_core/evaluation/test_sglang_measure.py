@@ -156,6 +156,9 @@ def test_keys_tell_the_engines_apart_and_vllm_keys_are_unchanged_at_default(tmp_
 
 def test_histograms_must_be_there_and_add_up() -> None:
     assert AcceptanceStats.from_histogram(3, [1, 2, 0, 1]).accepted == [3, 1, 1]
+    metas = [{"spec_correct_drafts_histogram": [2, 1, 0, 1]}, {"spec_accept_histogram": [1, 1, 2, 0]}]  # older name
+    stats = histogram_stats(metas, 3)
+    assert stats.drafts == 8 and stats.per_position == [5 / 8, 3 / 8, 1 / 8] and stats.acceptance_length == 1 + 9 / 8
     with pytest.raises(ValueError, match="more than k=2"):
         AcceptanceStats.from_histogram(2, [0, 0, 0, 1])
     with pytest.raises(ValueError, match="no draft ran"):
