@@ -258,7 +258,8 @@ def served_outputs(cfg, target, prompt_sets: dict, draft_dir: Path | None, concu
     """({set: texts}, server seconds, {set: the engine's spec-decode counters over that set}: empty without a
     draft) from one vLLM server, with `draft_dir` as its eagle3 draft or plain. `slot` gives the server its
     own folder under the run (a server's start stops every server of its folder left by a crash)."""
-    from eagle3_core.evaluation.vllm_measure import OpenAIClient, run_prompts, spec_counters, speculative_args
+    from eagle3_core.evaluation.served import run_prompts
+    from eagle3_core.evaluation.vllm_measure import OpenAIClient, spec_counters, speculative_args
     from eagle3_core.events import RunEvents
     from eagle3_core.progress import ignore_progress
     from eagle3_core.serving.engine import VllmServer

@@ -213,7 +213,8 @@ def evaluate_command(
     config: ConfigOption = None,
     set_: SetOption = None,
 ) -> None:
-    """Measure the draft's acceptance on held-out prompts, in transformers and in vLLM; writes
+    """Measure the draft's acceptance on held-out prompts, in transformers and served (evaluation.engine: vLLM or
+    SGLang); writes
     <run_dir>/eval/ (report.md, acceptance.png, eval_report.json). Exits 1 if the acceptance guard fails."""
     from eagle3_core.artifacts import SampleSet
     from eagle3_core.evaluation.phase import checkpoint_of, evaluate_draft
@@ -237,7 +238,7 @@ def evaluate_command(
         raise typer.Exit(1) from None
     console.print(
         f"tau (a) at k={report.num_speculative_tokens}: {report.acceptance_length:.3f}, per position "
-        f"{[round(r, 3) for r in report.per_position]}; (b) vLLM: {report.vllm_acceptance_length}; "
+        f"{[round(r, 3) for r in report.per_position]}; (b) {cfg.evaluation.engine}: {report.vllm_acceptance_length}; "
         f"speedup at batch 1: {report.speedup}; report: {report.root_path / 'report.md'}",
         highlight=False,
         markup=False,

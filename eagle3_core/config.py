@@ -39,6 +39,9 @@ PHASE_ROLES = "phases"
 EVERY_PHASE = "*"  # a role for every phase: run_dir and orchestration
 # A field added after runs were keyed: at its default it is left out of every key, so those runs keep theirs.
 UNKEYED_AT_DEFAULT = "unkeyed_at_default"
+# sglang.launch_server flags that measurement (b) derives from the configuration (`evaluation.sglang_args`
+# may not give them); `--api-key` among them: a key on the command line would be in `ps` and events.jsonl.
+SGLANG_OWN_FLAGS = ("--model-path", "--model", "--host", "--port", "--dtype", "--tp-size", "--api-key")
 
 
 def roles(**by_phase: Role) -> dict[str, Any]:
@@ -56,7 +59,12 @@ def operational(*phases: str) -> dict[str, Any]:
 
 def added_content(*phases: str) -> dict[str, Any]:
     """`content(*phases)` of a field added after runs were keyed: keyed only where it is not at its default."""
-    return {**content(*phases), UNKEYED_AT_DEFAULT: True}
+    return added(**dict.fromkeys(phases, CONTENT))
+
+
+def added(**by_phase: Role) -> dict[str, Any]:
+    """`roles(**by_phase)` of a field added after runs were keyed: keyed only where it is not at its default."""
+    return {**roles(**by_phase), UNKEYED_AT_DEFAULT: True}
 
 
 class ConfigError(ValueError):
@@ -674,6 +682,46 @@ class EvaluationConfig(Section):
         "targets that fit only under vLLM tensor parallelism (the guard then judges (b) alone).",
         json_schema_extra=content("evaluation"),
     )
+    engine: Literal["vllm", "sglang"] = Field(
+        "vllm",
+        description="Engine of measurement (b): vllm, or sglang (python -m sglang.launch_server with the draft as "
+        "EAGLE3 speculator; bf16 only, and it ignores training.norm_before_residual and norm_before_fc).",
+        json_schema_extra=added(evaluation=VLLM),
+    )
+    sglang_python: str | None = Field(
+        None,
+        description="Python interpreter of the environment SGLang is installed in (None: the running one).",
+        json_schema_extra=operational("evaluation"),
+    )
+    sglang_args: list[str] = Field(
+        default_factory=list,
+        description="Further sglang.launch_server arguments (engine sglang only), e.g. --attention-backend triton.",
+        json_schema_extra=added(evaluation=VLLM),
+    )
+    sglang_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables of the SGLang server and its import check, e.g. PYTHONPATH of its site.",
+        json_schema_extra=operational("evaluation"),
+    )
+    sglang_dtype: Literal["bfloat16", "float16"] = Field(
+        "bfloat16",
+        description="SGLang --dtype: sgl-kernel's RMSNorm has no float32 kernel, so SGLang runs bf16 (or fp16).",
+        json_schema_extra=added(evaluation=VLLM),
+    )
+
+    @field_validator("sglang_args")
+    @classmethod
+    def _our_flags_are_ours(cls, args: list[str]) -> list[str]:
+        """The flags measurement (b) sets itself would silently override (or be overridden by) these."""
+        flags = [arg.split("=")[0] for arg in args if arg.startswith("-")]
+        if "--api-key" in flags:
+            raise PydanticCustomError(
+                SECRET_REFUSED, "--api-key is refused here: measurement (b) starts SGLang on its own"
+            )
+        taken = [flag for flag in flags if flag in SGLANG_OWN_FLAGS or flag.startswith("--speculative-")]
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by measurement (b) itself (from server.* and evaluation.*)")
+        return args
 
 
 class OrchestrationConfig(Section):

@@ -88,7 +88,12 @@ def field_roles(phase: str) -> dict[str, Role]:
 @cache
 def unkeyed_defaults() -> dict[str, Any]:
     """Dotted path -> default of every field marked UNKEYED_AT_DEFAULT (`config.added_content`)."""
-    return {path: info.default for path, info in config_fields() if marked(info).get(UNKEYED_AT_DEFAULT)}
+    fields = config_fields()
+    return {
+        path: info.get_default(call_default_factory=True)
+        for path, info in fields
+        if marked(info).get(UNKEYED_AT_DEFAULT)
+    }
 
 
 def keyed_fields(config: PipelineConfig, phase: str, keyed: tuple[Role, ...] = (CONTENT,)) -> dict[str, Any]:

@@ -9,6 +9,8 @@
 #   bash bench/gpu/h200.sh limit    the 8B-shaped target, extraction throughput against the plain engine
 #   bash bench/gpu/h200.sh quality  (vLLM and SGLang staged) issue 28's screening, bench/gpu/quality_runs.py:
 #                                   sample sets, variants, served acceptance in vLLM, then SGLang beside it
+#   bash bench/gpu/h200.sh sglang   (after run/finish, SGLang staged) `eagle3 evaluate` of the run's draft with
+#                                   evaluation.engine=sglang, measurement (b) alone, in a run folder of its own
 # Each step ends by $CALL_S (default 570) seconds after it started; a cut flow resumes in the next step.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -116,8 +118,25 @@ case ${1:-} in
       --set "target.cache_dir=$T/cache" "${EXTRA[@]}" 2>&1 | grep -v " | DEBUG" | tail -60
     tail -n 40 "$OUT"/quality/*.log >"$OUT/quality-log-tails.txt" 2>/dev/null
     ;;
+  sglang)
+    timed python3 -m bench.gpu.device install || exit 1
+    timed python3 -m bench.gpu.device install --engine sglang || exit 1
+    SITE=$(python3 -m bench.gpu.device site --engine sglang)
+    mkdir -p "$T/run-sglang" && ln -sfn "$T/run/samples" "$T/run-sglang/samples"
+    # SGLang's own site first on its PYTHONPATH; triton attention and PyTorch sampling (the staged kernels have
+    # no FlashAttention, no flashinfer); no CUDA graphs and 16 prompts a set, what fits one call (EXTRA_SETS wins).
+    timed timeout -s TERM -k 20 $((END - SECONDS - 30)) python3 -m cli evaluate -c $CONFIG --draft "$T/run/draft" \
+      "${SETS[@]}" --set "run_dir=$T/run-sglang" --set evaluation.engine=sglang \
+      --set evaluation.with_transformers=false --set server.enforce_eager=true --set evaluation.max_prompts=16 \
+      --set "evaluation.sglang_env={\"PYTHONPATH\": \"$SITE:$PYTHONPATH\"}" \
+      --set "evaluation.sglang_args=[--attention-backend, triton, --sampling-backend, pytorch]" "${EXTRA[@]}" \
+      2>&1 | grep -v " | DEBUG" | tail -40
+    cp -r "$T/run-sglang/eval" "$OUT/sglang-eval" 2>/dev/null
+    cp "$T/run-sglang/events.jsonl" "$OUT/sglang-events.jsonl" 2>/dev/null
+    tail -n 80 "$T"/run-sglang/server/evaluation*.log >"$OUT/sglang-server-log-tails.txt" 2>/dev/null
+    ;;
   *)
-    echo "usage: bash bench/gpu/h200.sh stash|run|finish|kimi|limit|quality" >&2
+    echo "usage: bash bench/gpu/h200.sh stash|run|finish|kimi|limit|quality|sglang" >&2
     exit 2
     ;;
 esac

@@ -8,8 +8,8 @@ call: a stage whose files are there is skipped, so a call cut at its end resumes
    --no-eval): validation tau over every position and over a decode's rounds;
 3. served: bench/quality.py --measure, the finalists' drafts in vLLM on HumanEval (164) and the run's 60
    held-out prompts beside one plain pass, PARALLEL_SERVERS servers at once, each draft saved as it finishes;
-4. sglang (with --stages ...,sglang): bench/gpu/sglang_acceptance.py with the best served draft and the one
-   trained without norm_before_residual, beside vLLM's numbers for both.
+4. sglang (with --stages ...,sglang): `eagle3 evaluate` with evaluation.engine=sglang, measurement (b) alone,
+   of the best served draft and of the one trained without norm_before_residual, beside vLLM's numbers.
 
 Every variant is a change on the config defaults (the recipe of issue 17, `F`); compute stays within 4 epochs
 of the greedy set (n responses train 4 / n epochs).
@@ -170,28 +170,37 @@ def measure_sglang(
     work: Path, extra: list[str], log_dir: Path, drafts: dict[str, str], served: dict, site: Path
 ) -> None:
     """Stage 4: SGLang with the best served draft and the one without norm_before_residual."""
-    from eagle3_core.config import load_config
-    from eagle3_core.events import RunEvents
-    from eagle3_core.target.prepare import prepare_target
-
     by_draft = {row["draft"]: row["all"]["tau"] for row in served.get("drafts", [])}
     measured = {name: path for name, path in drafts.items() if path in by_draft}
     if not measured:
         print("sglang: no served draft yet", flush=True)
         return
     best = max(measured, key=lambda name: by_draft[measured[name]])
-    target = prepare_target(load_config(CONFIG, sets_of(work, "n1", extra)).target, RunEvents(work / "server-run"))
     for name in dict.fromkeys([best, "F_4ep_no_nbr"]):
         out = log_dir / f"sglang-{name}.json"
         if name not in drafts or out.is_file():
             continue
-        command = [sys.executable, "-m", "bench.gpu.sglang_acceptance", "-c", str(CONFIG), "--samples"]
-        command += [str(run_dir(work, "n1") / "samples"), "--target", str(target.root_path), "--draft", drafts[name]]
-        command += ["--site", str(site), "--plain-outputs", str(log_dir / "vllm-plain-outputs.json"), "--out", str(out)]
-        command += as_args(sets_of(work, "n1", extra))
+        run = work / f"sglang-{name}"  # its own eval/ beside the n1 samples, so vLLM's reports stay
+        run.mkdir(parents=True, exist_ok=True)
+        if not (run / "samples").exists():
+            (run / "samples").symlink_to(run_dir(work, "n1") / "samples")
+        command = [sys.executable, "-m", "cli", "evaluate", "-c", str(CONFIG), "--draft", drafts[name]]
+        command += as_args([*sets_of(work, "n1", extra), *sglang_sets(run, site)])
         with open(log_dir / f"sglang-{name}.log", "w") as log:
             rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+        if (run / "eval" / "vllm.json").is_file():
+            out.write_text((run / "eval" / "vllm.json").read_text())
         print(f"sglang {name} (vLLM tau {by_draft.get(drafts[name])}): rc {rc}", flush=True)
+
+
+def sglang_sets(run: Path, site: Path) -> list[str]:
+    """`eagle3 evaluate` overrides for measurement (b) alone in SGLang 0.5.14 as staged here: its own site first
+    on its PYTHONPATH, triton attention and PyTorch sampling (the staged kernels have no FlashAttention and no
+    flashinfer), no CUDA graphs (what ran on the H200)."""
+    path = json.dumps({"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])})
+    return [f"run_dir={run}", "evaluation.engine=sglang", "evaluation.with_transformers=false",
+            "server.enforce_eager=true", f"evaluation.sglang_env={path}",
+            "evaluation.sglang_args=[--attention-backend, triton, --sampling-backend, pytorch]"]  # fmt: skip
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """Phase 6, evaluate: measure the exported draft on held-out prompts with the real target, in
-transformers (a) and in vLLM (b), write `eval/report.md`, `eval/acceptance.png` and the `EvalReport`.
+transformers (a) and served in vLLM or SGLang (b, `evaluation.engine`), write `eval/report.md`,
+`eval/acceptance.png` and the `EvalReport`.
 
 Resumable: each measurement is saved (atomically) under a key over the config fields and upstream
 digests it depends on, per prompt set for (a), so a crash in (b) does not repeat (a) and a re-run with
@@ -162,20 +163,24 @@ def load_models(config: PipelineConfig, target: TargetModel, draft_dir: Path, ev
     return model, AutoTokenizer.from_pretrained(target.root_path), draft
 
 
-def vllm_unavailable(config: PipelineConfig) -> str | None:
-    """Why measurement (b) cannot run here, or None."""
+def served_unavailable(config: PipelineConfig) -> str | None:
+    """Why measurement (b) cannot run here in `evaluation.engine`, or None."""
     import importlib.util
+
+    from eagle3_core.evaluation.sglang_measure import sglang_launch, sglang_unavailable
 
     if not config.evaluation.with_vllm:
         return "evaluation.with_vllm is false"
     if config.server.engine != "vllm":
         return "server.engine is external: a server that this phase cannot restart with the draft"
+    if config.evaluation.engine == "sglang":
+        return sglang_unavailable(sglang_launch(config.evaluation))
     if importlib.util.find_spec("vllm") is None:
         return "vllm is not installed"
     return None
 
 
-def run_vllm(
+def run_served(
     config: PipelineConfig,
     target: TargetModel,
     draft_dir: Path,
@@ -185,16 +190,21 @@ def run_vllm(
     events: RunEvents,
     progress: ProgressCallback,
 ) -> dict[str, Any]:
+    """Measurement (b) in `evaluation.engine` (saved as `vllm.json` whichever engine, its `engine` saying
+    which), or why it was skipped."""
+    from eagle3_core.evaluation.served import Measurement
+    from eagle3_core.evaluation.sglang_measure import measure_sglang
     from eagle3_core.evaluation.vllm_measure import measure_vllm
 
-    if (reason := vllm_unavailable(config)) is not None:
+    if (reason := served_unavailable(config)) is not None:
         events.record(PHASE, DECISION, f"measurement (b) skipped: {reason}")
         return {"skipped": reason}
     path = eval_dir / "vllm.json"
     if (saved := load_saved(path, key)) is not None:
         events.record(PHASE, RESUME, "measurement (b) already done")
         return saved
-    result = measure_vllm(config, target.root_path, draft_dir, prompts, events, progress)
+    measure = measure_sglang if config.evaluation.engine == "sglang" else measure_vllm
+    result = measure(Measurement(config, target.root_path, draft_dir, prompts, events, progress))
     save(path, key, result)
     return result
 
@@ -237,9 +247,10 @@ def evaluate_draft(
     if existing is not None:
         events.record(PHASE, CACHE_HIT, f"evaluation of {draft_dir} already done", path=str(eval_dir))
         return guard(existing)
-    preflight_evaluation(target, draft_dir, vllm_unavailable(config) is None, events, config.server.extra_args)
+    runs_vllm = config.evaluation.engine == "vllm" and served_unavailable(config) is None
+    preflight_evaluation(target, draft_dir, runs_vllm, events, config.server.extra_args)
     transformers = run_transformers(config, target, draft_dir, prompts, key_a, eval_dir, events, progress)
-    vllm = run_vllm(config, target, draft_dir, prompts, key, eval_dir, events, progress)
+    vllm = run_served(config, target, draft_dir, prompts, key, eval_dir, events, progress)
     report = build_report(config, target, draft_dir, transformers, vllm, checkpoint, eval_dir, key, upstream)
     report.save()
     return guard(report)

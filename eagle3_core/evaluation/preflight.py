@@ -45,7 +45,7 @@ def preflight_evaluation(
     target: TargetModel, draft_dir: Path, runs_vllm: bool, events: RunEvents, server_args: list[str] | None = None
 ) -> None:
     """`runs_vllm`: measurement (b) would start vLLM with the exported draft in `draft_dir` (see
-    `evaluation.phase.vllm_unavailable`), with `server_args` (`server.extra_args`)."""
+    `evaluation.phase.served_unavailable`), with `server_args` (`server.extra_args`)."""
     import torch
 
     from eagle3_core.draft.export import HF_ARCHITECTURES

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eagle3_core.evaluation.served import ENGINE_LABELS
 from eagle3_core.evaluation.stats import AcceptanceStats
 from eagle3_core.files import atomic_path, write_text_atomic
 
@@ -115,6 +116,11 @@ def set_names(summary: dict[str, Any]) -> list[str]:
     return sorted(names, key=lambda name: name == "all")
 
 
+def served_label(summary: dict[str, Any]) -> str:
+    """The engine that measured (b) (`engine` of its result; vLLM for results saved before there was a choice)."""
+    return ENGINE_LABELS[(summary.get("vllm") or {}).get("engine", "vllm")]
+
+
 def measured(summary: dict[str, Any], engine: str, name: str) -> dict[str, Any]:
     """One prompt set's result of `transformers` (a) or `vllm` (b); {} when not measured."""
     return ((summary.get(engine) or {}).get("sets") or {}).get(name, {})
@@ -128,13 +134,14 @@ def markdown_report(summary: dict[str, Any]) -> str:
         "",
         f"Target `{summary['target']}`; k = {k} draft tokens per step; greedy; "
         f"{summary['max_new_tokens']} new tokens per prompt. (a) chain speculative decoding in transformers "
-        f"({hf['dtype']}), run at k = {hf['k']}; (b) vLLM, served with method eagle3 at k = {k}.",
+        f"({hf['dtype']}), run at k = {hf['k']}; (b) {served_label(summary)}, served with the draft as its EAGLE-3 "
+        f"speculator at k = {k}.",
         "",
         *guard_lines(summary),
         "",
         "## Acceptance length τ (tokens per target step, bonus token included)",
         "",
-        f"| prompt set | prompts | (a) τ at k={k} | (a) τ at k={hf['k']} | (b) vLLM τ at k={k} | "
+        f"| prompt set | prompts | (a) τ at k={k} | (a) τ at k={hf['k']} | (b) {served_label(summary)} τ at k={k} | "
         "(b) speedup batch 1 | (b) speedup concurrent |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -154,7 +161,7 @@ def markdown_report(summary: dict[str, Any]) -> str:
         "|---|---|" + "---|" * positions,
     ]
     for name in names:
-        for engine, label in (("transformers", "(a) transformers"), ("vllm", "(b) vLLM")):
+        for engine, label in (("transformers", "(a) transformers"), ("vllm", f"(b) {served_label(summary)}")):
             rates = _rates(measured(summary, engine, name).get("acceptance"))
             cells = [fmt(rates[i]) if i < len(rates) else "—" for i in range(positions)]
             lines.append(f"| {name} | {label} | " + " | ".join(cells) + " |")
@@ -199,20 +206,20 @@ def plot_report(summary: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    hf, k, names = summary["transformers"], summary["k"], set_names(summary)
+    hf, k, names, served = summary["transformers"], summary["k"], set_names(summary), served_label(summary)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / max(2 * len(names), 1)
     for index, name in enumerate(names):
         a, b = measured(summary, "transformers", name), measured(summary, "vllm", name)
         for offset, (label, rates) in enumerate((("(a)", _rates(a.get("acceptance"))),
-                                                 ("(b) vLLM", _rates(b.get("acceptance"))))):  # fmt: skip
+                                                 (f"(b) {served}", _rates(b.get("acceptance"))))):  # fmt: skip
             if rates:
                 xs = [i + (2 * index + offset) * width - 0.4 for i in range(len(rates))]
                 left.bar(xs, rates, width, align="edge", label=f"{name} {label}")
         if a:
             right.plot(range(1, hf["k"] + 1), a["tau_by_k"], marker="o", label=f"{name} (a) derived")
         if (vllm_tau := _tau(b.get("acceptance"))) is not None:
-            right.plot([k], [vllm_tau], marker="s", linestyle="none", label=f"{name} (b) vLLM")
+            right.plot([k], [vllm_tau], marker="s", linestyle="none", label=f"{name} (b) {served}")
     left.set(title="Acceptance per draft position", xlabel="position", ylabel="rate", ylim=(0, 1))
     left.set_xticks(range(max(hf["k"], k)))
     right.set(title="Acceptance length τ by k", xlabel="k (draft tokens per step)", ylabel="τ")

@@ -32,6 +32,14 @@ class AcceptanceStats:
         for position in range(num_accepted):
             self.accepted[position] += 1
 
+    @classmethod
+    def from_histogram(cls, k: int, histogram: list[int]) -> AcceptanceStats:
+        """From verification steps counted by accepted draft tokens (SGLang's `spec_correct_drafts_histogram`:
+        entry a counts the steps that accepted exactly a tokens, so positions 0..a-1)."""
+        if any(histogram[k + 1 :]):
+            raise ValueError(f"acceptance histogram {histogram} has steps accepting more than k={k} tokens")
+        return cls(k, sum(histogram), [sum(histogram[i + 1 :]) for i in range(k)])
+
     def merge(self, other: AcceptanceStats) -> AcceptanceStats:
         if other.k != self.k:
             raise ValueError(f"cannot merge statistics of k={self.k} and k={other.k}")

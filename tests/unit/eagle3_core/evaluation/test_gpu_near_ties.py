@@ -7,18 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from eagle3_core.evaluation.departures import TokenGap, first_difference, judge_difference, judge_outputs, tokens_at
 from eagle3_core.evaluation.prompts import EvalPrompt
 from eagle3_core.evaluation.report import agreement_cell, slower_lines
-from eagle3_core.evaluation.vllm_measure import (
-    TokenGap,
-    agreement_line,
-    compare_runs,
-    first_difference,
-    judge_difference,
-    judge_outputs,
-    token_gaps,
-    tokens_at,
-)
+from eagle3_core.evaluation.served import agreement_line, compare_runs
+from eagle3_core.evaluation.vllm_measure import token_gaps
 
 TOKENS = [TokenGap(b" the", 0.01), TokenGap(b" cat", 3.0), TokenGap(" caf\u00e9".encode(), 0.02)]
 PLAIN = " the cat café"

@@ -21,6 +21,7 @@ from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.hosts import HostSlice
 from eagle3_core.progress import ProgressUpdate
 from eagle3_core.serving import engine as serving
+from eagle3_core.serving import lifecycle
 from eagle3_core.serving import processes as server_processes
 
 FAKE_SERVER = textwrap.dedent(
@@ -209,7 +210,7 @@ def test_stop_server_hook_stops_by_pid_file(tmp_path, fake_engine):
 
 
 def test_external_server_starts_and_stops_nothing(monkeypatch):
-    monkeypatch.setattr(serving.subprocess, "Popen", None)
+    monkeypatch.setattr(lifecycle.subprocess, "Popen", None)
     server = serving.ExternalServer("http://10.0.0.5:8000/v1/", "key")
     with server as same:
         assert same.base_url == "http://10.0.0.5:8000" and same.api_key == "key"

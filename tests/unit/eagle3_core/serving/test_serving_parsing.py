@@ -7,6 +7,7 @@ import pytest
 from eagle3_core import gpus
 from eagle3_core.config import ServerConfig
 from eagle3_core.serving import engine as serving
+from eagle3_core.serving import lifecycle
 from eagle3_core.serving import processes as server_processes
 
 WORKER = "(Worker_TP0 pid=340648) "
@@ -106,7 +107,7 @@ def test_stall_clock_restarts_only_on_new_output(tmp_path, monkeypatch):
     log = tmp_path / "server.log"
     log.write_text("one\n")
     clock = [100.0]
-    monkeypatch.setattr(serving.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(lifecycle.time, "monotonic", lambda: clock[0])
     tail = serving.LogTail(log)
     tail.read_lines()
     clock[0] = 160.0

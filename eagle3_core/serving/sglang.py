@@ -1,0 +1,82 @@
+"""The SGLang server (`python -m sglang.launch_server`), started and stopped by the engine-neutral lifecycle
+(`lifecycle.EngineServer`): its command line, its environment and its health path.
+
+SGLang often lives in an environment of its own (its transformers pin must not reach ours), so the
+interpreter and the environment are given (`SglangLaunch`). Its `/health_generate` answers only once a
+generation went through, so healthy means it can serve. It takes no API key from the environment, only
+`--api-key` on the command line (where `ps` would show it): the server is ours, bound to `server.host`,
+and started without one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3_core.config import ServerConfig
+from eagle3_core.gpus import has_cuda_gpus
+from eagle3_core.serving.lifecycle import EngineServer
+
+LOAD_END = re.compile(r"Load weight end\. elapsed=(?P<seconds>[\d.]+) s")
+
+
+@dataclass(frozen=True)
+class SglangLaunch:
+    """What SGLang is started with beside `server.*`: the interpreter of its environment, its `--dtype`,
+    and environment variables of its own."""
+
+    python: str
+    dtype: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def sglang_command(
+    config: ServerConfig, launch: SglangLaunch, model_dir: Path | str, port: int, extra_args: list[str]
+) -> list[str]:
+    """The server's argv: `server.*` as SGLang's flags (`enforce_eager` as `--disable-cuda-graph`, the GPU
+    memory share as `--mem-fraction-static` on CUDA hosts), then `extra_args` (the draft's, the user's)."""
+    command = [launch.python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", config.host]
+    command += ["--port", str(port), "--dtype", launch.dtype, "--tp-size", str(config.tensor_parallel_size)]
+    command += ["--context-length", str(config.max_model_len)]
+    if has_cuda_gpus():
+        command += ["--mem-fraction-static", str(config.gpu_memory_utilization)]
+    if config.enforce_eager:
+        command.append("--disable-cuda-graph")
+    return command + extra_args
+
+
+def sglang_env(launch: SglangLaunch) -> dict[str, str]:
+    """The parent's environment, offline, unbuffered, plus the launch's own variables (not `server.env`,
+    which is vLLM's)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **launch.env}
+
+
+def parse_load_end(line: str) -> float | None:
+    """Seconds from SGLang's `Load weight end. elapsed=12.34 s, ...`, else None."""
+    match = LOAD_END.search(line)
+    return float(match["seconds"]) if match else None
+
+
+class SglangServer(EngineServer):
+    """An SGLang server this process starts and stops; the rest of the arguments are `EngineServer`'s."""
+
+    engine = "SGLang"
+    health_path = "/health_generate"
+    health_timeout_s = 10.0  # a real generation behind it
+
+    def __init__(self, launch: SglangLaunch, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.launch = launch
+
+    def command(self) -> list[str]:
+        return sglang_command(self.config, self.launch, self.model_dir, self.port, self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        return sglang_env(self.launch)
+
+    def on_log_line(self, line: str) -> None:
+        if self.load_seconds is None:  # the target's load; the draft's comes after
+            self.load_seconds = parse_load_end(line)
