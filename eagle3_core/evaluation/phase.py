@@ -17,6 +17,7 @@ from typing import Any
 from eagle3_core.artifacts import DraftCheckpoint, EvalReport, SampleSet, TargetModel, record_files
 from eagle3_core.config import VERDICT, VLLM, PipelineConfig
 from eagle3_core.dtypes import resolved_config
+from eagle3_core.evaluation.keyed_results import load_saved, save
 from eagle3_core.evaluation.preflight import preflight_evaluation
 from eagle3_core.evaluation.prompts import (
     EvalPrompt,
@@ -28,7 +29,7 @@ from eagle3_core.evaluation.prompts import (
 from eagle3_core.evaluation.report import AcceptanceBelowFloor, guard_message, position0, write_report
 from eagle3_core.evaluation.stats import AcceptanceStats
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
-from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.files import sha256_json
 from eagle3_core.phases import EVALUATION, keyed_fields, phase_key
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
 from eagle3_core.run_layout import DraftLayout, RunLayout
@@ -71,19 +72,6 @@ def measurement_keys(
     measured = {name: [p.id for p in ps] for name, ps in prompts.items()}
     key_a = sha256_json({**phase_key(config, EVALUATION), "prompts": measured, "upstream": upstream})
     return key_a, sha256_json({"transformers": key_a, **keyed_fields(config, PHASE, (VLLM,))})
-
-
-def load_saved(path: Path, key: str) -> dict[str, Any] | None:
-    """A measurement saved under `key`, or None (absent, unreadable or made from other inputs)."""
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return saved["result"] if saved.get("key") == key else None
-
-
-def save(path: Path, key: str, result: dict[str, Any]) -> None:
-    write_text_atomic(path, json.dumps({"key": key, "result": result}, indent=1))
 
 
 def run_transformers(
@@ -204,7 +192,8 @@ def run_served(
         events.record(PHASE, RESUME, "measurement (b) already done")
         return saved
     measure = measure_sglang if config.evaluation.engine == "sglang" else measure_vllm
-    result = measure(Measurement(config, target.root_path, draft_dir, prompts, events, progress))
+    with_draft = (eval_dir / "served-with-draft.json", key)  # a cut after the first server resumes past it
+    result = measure(Measurement(config, target.root_path, draft_dir, prompts, events, progress, with_draft))
     save(path, key, result)
     return result
 

@@ -20,9 +20,10 @@ from typing import Any, Protocol
 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.evaluation.departures import TokenGap, judge_outputs
+from eagle3_core.evaluation.keyed_results import load_saved, save
 from eagle3_core.evaluation.prompts import EvalPrompt
 from eagle3_core.evaluation.stats import AcceptanceStats
-from eagle3_core.events import DECISION, RunEvents
+from eagle3_core.events import DECISION, RESUME, RunEvents
 from eagle3_core.phases import EVALUATION
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
 from eagle3_core.serving.lifecycle import EngineServer
@@ -197,6 +198,7 @@ class Measurement:
     prompt_sets: dict[str, list[EvalPrompt]]
     events: RunEvents
     progress: ProgressCallback = ignore_progress
+    with_draft_file: tuple[Path, str] | None = None  # (file, key): the pass with the draft, kept for a resume
 
 
 def measure_served(
@@ -206,11 +208,19 @@ def measure_served(
     connect: Callable[[EngineServer], ServedClient],
 ) -> dict[str, Any]:
     """Two server starts of `engine` (`serve(with_draft)`: with, then without the draft), one at a time, each
-    stopped before the next starts, whatever fails. Returns `{"engine", "k", "sets": {name or "all":
-    acceptance, throughput, speedups, agreement}}` and records the agreement line."""
+    stopped before the next starts, whatever fails; the pass with the draft is kept in `with_draft_file`, so a
+    run cut while plain greedy is measured starts only that server again. Returns `{"engine", "k", "sets":
+    {name or "all": acceptance, throughput, speedups, agreement}}` and records the agreement line."""
     evaluation, label, progress = measurement.config.evaluation, ENGINE_LABELS[engine], measurement.progress
     runs: dict[bool, dict[str, dict[str, Any]]] = {}
+    kept = measurement.with_draft_file
+    if kept is not None and (saved := load_saved(*kept)) is not None:
+        runs[True] = saved
+        message = f"measurement (b) in {label}: the pass with the draft was done before, only plain greedy is left"
+        measurement.events.record(PHASE, RESUME, message, path=str(kept[0]))
     for with_draft in (True, False):
+        if with_draft in runs:
+            continue
         with serve(with_draft) as server:
             client = connect(server)
             try:
@@ -228,6 +238,8 @@ def measure_served(
                 )
             finally:
                 client.close()
+        if with_draft and kept is not None:
+            save(kept[0], kept[1], runs[True])
     result = {"engine": engine, **compare_runs(runs[True], runs[False])}
     measurement.events.record(
         PHASE, DECISION, agreement_line(result["sets"]["all"], evaluation.near_tie_logit_gap, label)

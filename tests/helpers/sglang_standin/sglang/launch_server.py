@@ -8,7 +8,7 @@ of a reply is a function of the prompt's `fingerprint` alone; with `--speculativ
 carries `spec_verify_ct` and `spec_correct_drafts_histogram` (`histogram`). A child process stands in for
 SGLang's scheduler. Environment: SGLANG_STANDIN_DEPART_EVERY=M (with the draft, prompts whose fingerprint is
 a multiple of M take another token at DEPART_AT; the plain run's top-2 gap there is a near-tie where it is a
-multiple of 2M), SGLANG_STANDIN_FAIL=1 (every `/generate` answers 500).
+multiple of 2M), SGLANG_STANDIN_FAIL=1 (every `/generate` answers 500; `plain`: only a server without a draft's).
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ def reply(body: dict[str, Any], args: argparse.Namespace, every: int) -> dict[st
 
 def handler(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
     every = int(os.environ.get("SGLANG_STANDIN_DEPART_EVERY", "0"))
-    fail = os.environ.get("SGLANG_STANDIN_FAIL") == "1"
+    planted = os.environ.get("SGLANG_STANDIN_FAIL")
+    fail = planted == "1" or (planted == "plain" and args.speculative_algorithm is None)
 
     class Handler(BaseHTTPRequestHandler):
         def send(self, status: int, payload: Any) -> None:

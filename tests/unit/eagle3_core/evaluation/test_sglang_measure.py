@@ -18,7 +18,7 @@ from eagle3_core.evaluation.prompts import EvalPrompt
 from eagle3_core.evaluation.served import Measurement
 from eagle3_core.evaluation.sglang_measure import histogram_stats, measure_sglang
 from eagle3_core.evaluation.stats import AcceptanceStats
-from eagle3_core.events import DECISION, ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
+from eagle3_core.events import DECISION, ENGINE_START, ENGINE_STOP, RESUME, WEIGHT_LOAD, RunEvents
 from eagle3_core.phases import keyed_fields
 from eagle3_core.sampling.chat_tokens import ChatTokenizer
 from eagle3_core.serving.processes import ServerError
@@ -104,6 +104,35 @@ def test_a_failing_request_still_stops_the_server(tiny_llama: TargetModel, tmp_p
         measure_sglang(Measurement(config, tiny_llama.root_path, tmp_path / "draft", PROMPTS, RunEvents(tmp_path)))
     kinds = [e["event"] for e in RunEvents(tmp_path).read() if e["event"] in (ENGINE_START, ENGINE_STOP)]
     assert kinds == [ENGINE_START, ENGINE_STOP]
+    assert_all_stopped(tmp_path)
+
+
+def test_a_cut_after_the_draft_pass_resumes_with_only_the_plain_server(tiny_llama: TargetModel, tmp_path: Path) -> None:
+    kept = (tmp_path / "eval" / "served-with-draft.json", "key-1")
+    config = make_config(tmp_path, {"SGLANG_STANDIN_FAIL": "plain"})
+    with pytest.raises(RuntimeError, match="HTTP 500"):
+        measure_sglang(
+            Measurement(
+                config, tiny_llama.root_path, tmp_path / "draft", PROMPTS, RunEvents(tmp_path), with_draft_file=kept
+            )
+        )
+    assert kept[0].is_file()
+    before = len(RunEvents(tmp_path).read())
+    config = make_config(tmp_path)
+    result = measure_sglang(
+        Measurement(
+            config, tiny_llama.root_path, tmp_path / "draft", PROMPTS, RunEvents(tmp_path), with_draft_file=kept
+        )
+    )
+    fresh = measure_sglang(
+        Measurement(config, tiny_llama.root_path, tmp_path / "draft", PROMPTS, RunEvents(tmp_path / "fresh"))
+    )
+    after = RunEvents(tmp_path).read()[before:]
+    starts = [e for e in after if e["event"] == ENGINE_START]
+    assert len(starts) == 1 and "--speculative-algorithm" not in starts[0]["command"]
+    assert any(e["event"] == RESUME and "only plain greedy is left" in e["message"] for e in after)
+    assert result["sets"]["all"]["acceptance"] == fresh["sets"]["all"]["acceptance"]
+    assert result["sets"]["all"]["identical_outputs"] == fresh["sets"]["all"]["identical_outputs"]
     assert_all_stopped(tmp_path)
 
 
