@@ -26,11 +26,11 @@ import pytest
 
 from eagle3_core.config import PipelineConfig
 from tests.helpers.postgres import PrefectServer
+from tests.helpers.processes import start_worker, stop_workers
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 PLAYWRIGHT_DIR = Path(os.environ.get("EAGLE3_PLAYWRIGHT_DIR", "/tmp/orch/ui"))
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOTS = Path(os.environ.get("EAGLE3_UI_SCREENSHOTS", REPO / "runs" / "ui-test"))
@@ -87,18 +87,6 @@ def prefect_server(request: pytest.FixtureRequest) -> PrefectServer:
     return request.getfixturevalue("postgres_prefect_server")
 
 
-def stop_worker(worker: subprocess.Popen) -> None:
-    """Prefect's worker answers a first SIGTERM by finishing its in-flight runs (on a loaded machine its
-    server's SQLite, busy with `database is locked` retries, held one past 60 s in CI), a second by SIGKILL
-    (`setup_signal_handlers_worker`)."""
-    worker.terminate()
-    try:
-        worker.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        worker.terminate()
-        worker.wait(timeout=30)
-
-
 def api_post(base: str, path: str, body: dict) -> list[dict]:
     return httpx.post(f"{base}/api{path}", json=body, timeout=30).json()
 
@@ -128,7 +116,7 @@ def test_custom_run_from_the_ui_completes(prefect_server: PrefectServer, tmp_pat
     this_deployment = {"deployments": {"id": {"any_": [deployment["id"]]}}}
     submitted = subprocess.run(["node", str(tmp_path / "submit.js"), *args], env=node_env, timeout=180)
     assert submitted.returncode == 0, "the UI's custom-run form did not submit"
-    worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "gpu"], cwd=REPO, env=env)
+    worker = start_worker(env)
     try:
         runs = api_post(base, "/flow_runs/filter", this_deployment)
         assert len(runs) == 1 and runs[0]["parameters"]["config"]["evaluation"]["max_new_tokens"] == 6
@@ -144,4 +132,4 @@ def test_custom_run_from_the_ui_completes(prefect_server: PrefectServer, tmp_pat
         subprocess.run(["node", str(tmp_path / "shoot.js"), url, str(shot)], env=node_env, check=True, timeout=180)
         assert shot.stat().st_size > 10_000
     finally:
-        stop_worker(worker)
+        stop_workers([worker])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,12 +33,10 @@ from tasks.extraction import extract_on_hosts_task
 from tasks.policy import configured
 from tasks.sampling import sample_on_hosts_task
 from tests.helpers.postgres import PrefectServer, fetch
+from tests.helpers.processes import PREFECT, REPO, start_worker, stop_workers
 from tests.helpers.served_targets import FLOAT32
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[2]
-PREFECT = str(Path(sys.executable).parent / "prefect")
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +60,9 @@ def two_workers(shared_server: PrefectServer | None):
     env = {**base, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_WORKER_QUERY_SECONDS": "2"}
     ensure_work_pool()
     subprocess.run([PREFECT, "--no-prompt", "deploy", "--name", "host-phase"], cwd=REPO, env=env, check=True)
-    start = [PREFECT, "worker", "start", "--pool", "gpu", "--limit", "1", "--name"]
-    workers = [subprocess.Popen([*start, f"host-{i}"], cwd=REPO, env=env) for i in range(2)]
+    workers = [start_worker(env, "--limit", "1", "--name", f"host-{i}") for i in range(2)]
     yield
-    for worker in workers:
-        worker.terminate()
-    for worker in workers:  # a worker still shutting down after 2 minutes on a loaded CI host is killed
-        try:
-            worker.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
+    stop_workers(workers)
 
 
 def assert_in_postgres(server: PrefectServer, children: list) -> None:
