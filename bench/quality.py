@@ -19,12 +19,15 @@ More variants: --extra-variants '{"name": {"training.lr": 2e-3}}' (changes on BA
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import platform
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -207,9 +210,9 @@ def measure_in_vllm(args: argparse.Namespace, drafts: list[Path]) -> dict:
     every prompt at `--concurrency` (greedy: acceptance does not depend on the batch), beside the same prompts
     on one plain server (no draft): every draft's outputs must be identical to its (fp32 server). One server
     start per draft plus one, `--parallel` of them at once (on a GPU each its own share of the memory: say so
-    with server.gpu_memory_utilization), in rounds that start together, so that no server stops while
-    another profiles its memory; no batch-1 timing, so minutes, not an hour. Drafts already in `--out` are
-    skipped, and the plain outputs are read back from `--plain-outputs` where they were saved."""
+    with server.gpu_memory_utilization), starting and stopping in turn (`gpu_turn`); no batch-1 timing, so
+    minutes, not an hour. Drafts already in `--out` are skipped, and the plain outputs are read back from
+    `--plain-outputs` where they were saved."""
     from eagle3_core.artifacts import SampleSet
     from eagle3_core.config import load_config
     from eagle3_core.evaluation.phase import collect_prompts
@@ -227,14 +230,13 @@ def measure_in_vllm(args: argparse.Namespace, drafts: list[Path]) -> dict:
     done = {row["draft"] for row in previous}
     jobs: list[Path | None] = ([None] if plain is None else []) + [d for d in drafts if str(d) not in done]
     waiting: dict[Path, tuple] = {}  # draft -> its server's (outputs, seconds, counters) until plain is there
-    pool = ProcessPoolExecutor(max(args.parallel, 1), mp_context=get_context("spawn"))
-    for first in range(0, len(jobs), max(args.parallel, 1)):
-        batch = {
-            pool.submit(served_outputs, cfg, target, prompt_sets, draft, args.concurrency, first + i): draft
-            for i, draft in enumerate(jobs[first : first + max(args.parallel, 1)])
+    with ProcessPoolExecutor(max(args.parallel, 1), mp_context=get_context("spawn")) as pool:
+        futures = {
+            pool.submit(served_outputs, cfg, target, prompt_sets, draft, args.concurrency, slot): draft
+            for slot, draft in enumerate(jobs)
         }
-        for future in as_completed(batch):
-            draft = batch[future]
+        for future in as_completed(futures):
+            draft = futures[future]
             if (error := future.exception()) is not None:  # the next call measures it again
                 print(f"served {draft or 'plain'}: {error!r}", flush=True)
                 continue
@@ -250,7 +252,6 @@ def measure_in_vllm(args: argparse.Namespace, drafts: list[Path]) -> dict:
                 print(json.dumps({"draft": str(ready), "all": row["all"]}), flush=True)
                 if args.out:
                     Path(args.out).write_text(json.dumps({"machine": machine(), **result}, indent=2) + "\n")
-    pool.shutdown()
     return result
 
 
@@ -270,7 +271,9 @@ def served_outputs(cfg, target, prompt_sets: dict, draft_dir: Path | None, concu
     outputs, counters = {}, {}
     start = time.monotonic()
     server = VllmServer(cfg.server, target.root_path, folder, RunEvents(folder), extra_args=extra, phase="quality")
-    with server:
+    with gpu_turn(folder.parent):
+        server.start()
+    try:
         client = OpenAIClient(server.base_url, server.api_key, cfg.sampling.request_timeout_s)
         model = client.model_id()
         for name, prompts in prompt_sets.items():
@@ -280,7 +283,24 @@ def served_outputs(cfg, target, prompt_sets: dict, draft_dir: Path | None, concu
             if draft_dir:
                 counters[name] = spec_counters(client.metrics()).minus(before)
         client.close()
+    finally:
+        with gpu_turn(folder.parent):
+            server.stop()
     return outputs, round(time.monotonic() - start, 1), counters
+
+
+@contextmanager
+def gpu_turn(folder: Path) -> Iterator[None]:
+    """One server of `--parallel` at a time starts or stops: vLLM sizes its KV cache from the GPU's free memory
+    while it profiles, which other processes allocating or freeing meanwhile upset (on the H200, 4 of 10
+    servers started together exited in engine initialization; the cause's lines were not kept)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".gpu-turn.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def acceptance_row(k: int, draft_dir: Path, outputs: dict, seconds: float, counters: dict, plain: dict) -> dict:

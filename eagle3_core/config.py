@@ -39,6 +39,7 @@ PHASE_ROLES = "phases"
 EVERY_PHASE = "*"  # a role for every phase: run_dir and orchestration
 # A field added after runs were keyed: at its default it is left out of every key, so those runs keep theirs.
 UNKEYED_AT_DEFAULT = "unkeyed_at_default"
+CURRENT_DEFAULT = object()  # `added(first_default=...)` not given: the field's default has not changed
 # sglang.launch_server flags that measurement (b) derives from the configuration (`evaluation.sglang_args`
 # may not give them); `--api-key` among them: a key on the command line would be in `ps` and events.jsonl.
 SGLANG_OWN_FLAGS = ("--model-path", "--model", "--host", "--port", "--dtype", "--tp-size", "--api-key")
@@ -57,14 +58,17 @@ def operational(*phases: str) -> dict[str, Any]:
     return roles(**dict.fromkeys(phases, OPERATIONAL))
 
 
-def added_content(*phases: str) -> dict[str, Any]:
+def added_content(*phases: str, **since: Any) -> dict[str, Any]:
     """`content(*phases)` of a field added after runs were keyed: keyed only where it is not at its default."""
-    return added(**dict.fromkeys(phases, CONTENT))
+    return added(**dict.fromkeys(phases, CONTENT), **since)
 
 
-def added(**by_phase: Role) -> dict[str, Any]:
-    """`roles(**by_phase)` of a field added after runs were keyed: keyed only where it is not at its default."""
-    return {**roles(**by_phase), UNKEYED_AT_DEFAULT: True}
+def added(*, first_default: Any = CURRENT_DEFAULT, **by_phase: Role) -> dict[str, Any]:
+    """`roles(**by_phase)` of a field added after runs were keyed: keyed only where it is not at the default it
+    was added with. Give that `first_default` when the default has changed since: left out at the new default,
+    runs of the new default would hit the cache of runs made at the old one (a silent mistake)."""
+    mark = True if first_default is CURRENT_DEFAULT else {"since": first_default}
+    return {**roles(**by_phase), UNKEYED_AT_DEFAULT: mark}
 
 
 class ConfigError(ValueError):
@@ -484,18 +488,18 @@ class TrainingConfig(Section):
         json_schema_extra=content("training"),
     )
     loss_on_prompt: bool = Field(
-        False,
+        True,
         description="Also train on prompt positions (the target's states there are extracted anyway), not only "
         "on assistant tokens; padding stays unscored and validation still scores assistant tokens only.",
-        json_schema_extra=added_content("training"),
+        json_schema_extra=added_content("training", first_default=False),
     )
     input_noise: float = Field(
-        0.0,
+        0.2,
         ge=0,
         description="EAGLE-1's uniform noise on the aux states fed to fc, in training steps only (never validation "
         "or export): U(-a/2, a/2) with a = this * 512 / the sample's length, as EAGLE scales it (it trains 0.2); "
         "drawn from the training seed, the step and the rank. 0: none.",
-        json_schema_extra=added_content("training"),
+        json_schema_extra=added_content("training", first_default=0.0),
     )
     ema_decay: float | None = Field(
         None,

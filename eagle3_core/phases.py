@@ -87,13 +87,12 @@ def field_roles(phase: str) -> dict[str, Role]:
 
 @cache
 def unkeyed_defaults() -> dict[str, Any]:
-    """Dotted path -> default of every field marked UNKEYED_AT_DEFAULT (`config.added_content`)."""
-    fields = config_fields()
-    return {
-        path: info.get_default(call_default_factory=True)
-        for path, info in fields
-        if marked(info).get(UNKEYED_AT_DEFAULT)
-    }
+    """Dotted path -> the default each field marked UNKEYED_AT_DEFAULT (`config.added_content`) was added with."""
+    defaults = {}
+    for path, info in config_fields():
+        if mark := marked(info).get(UNKEYED_AT_DEFAULT):
+            defaults[path] = mark["since"] if isinstance(mark, dict) else info.get_default(call_default_factory=True)
+    return defaults
 
 
 def keyed_fields(config: PipelineConfig, phase: str, keyed: tuple[Role, ...] = (CONTENT,)) -> dict[str, Any]:

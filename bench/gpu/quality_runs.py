@@ -11,8 +11,9 @@ call: a stage whose files are there is skipped, so a call cut at its end resumes
 4. sglang (with --stages ...,sglang): `eagle3 evaluate` with evaluation.engine=sglang, measurement (b) alone,
    of the best served draft and of the one trained without norm_before_residual, beside vLLM's numbers.
 
-Every variant is a change on the config defaults (the recipe of issue 17, `F`); compute stays within 4 epochs
-of the greedy set (n responses train 4 / n epochs).
+Every variant is a change on `F`, the recipe of issue 17 (the config defaults before issue 28 turned
+loss_on_prompt and input_noise on); compute stays within 4 epochs of the greedy set (n responses train 4 / n
+epochs).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ DATA: dict[str, list[str] | tuple[str, list[str]]] = {
     "v49152": ("n1", FULL_VOCAB),
     "n4v49152": ("n4", FULL_VOCAB),
 }
-FOUR = {"training.epochs": 4}
+# F: the recipe of issue 17 (the defaults before issue 28 turned the two levers on), 4 epochs.
+FOUR = {"training.epochs": 4, "training.loss_on_prompt": False, "training.input_noise": 0.0}
 PROMPT_NOISE = {"training.loss_on_prompt": True, "training.input_noise": 0.2}
 VARIANTS = {
     "n1": {
@@ -49,8 +51,8 @@ VARIANTS = {
         "F_4ep_prompt_noise": {**FOUR, **PROMPT_NOISE},
     },
     "v49152": {"F_4ep_v49152": FOUR, "F_4ep_v49152_prompt_noise": {**FOUR, **PROMPT_NOISE}},
-    "n2": {"F_n2_2ep": {"training.epochs": 2}},
-    "n4": {"F_n4_1ep": {"training.epochs": 1}},
+    "n2": {"F_n2_2ep": {**FOUR, "training.epochs": 2}},
+    "n4": {"F_n4_1ep": {**FOUR, "training.epochs": 1}},
     "n4v49152": {"F_n4_1ep_v49152_prompt_noise": {"training.epochs": 1, **PROMPT_NOISE}},
 }
 # Served first where the device time may end: the 4-epoch reference of this session, the combinations, the

@@ -154,11 +154,26 @@ def test_a_field_added_after_runs_were_keyed_is_in_no_key_at_its_default():
     }
     assert added.items() <= unkeyed_defaults().items()
     config = PipelineConfig()
+    for path, value in unkeyed_defaults().items():  # the defaults they were added with
+        section, name = path.rsplit(".", 1)
+        setattr(getattr(config, section), name, value)
     for phase in POLICIES:
         for path in unkeyed_defaults():
             section, name = path.rsplit(".", 1)
             assert not holds(prefect_key(config, phase), section, name), (phase, path)
             assert not holds(core_key(config, phase), section, name), (phase, path)
+
+
+def test_a_default_changed_after_it_was_added_is_keyed_at_the_new_default():
+    """training.loss_on_prompt and training.input_noise were added off and are on by default now: a run of the
+    new defaults must not find the cache of a run made before them (trained without either)."""
+    new, old = PipelineConfig(), PipelineConfig()
+    assert (new.training.loss_on_prompt, new.training.input_noise) == (True, 0.2)
+    old.training.loss_on_prompt, old.training.input_noise = False, 0.0
+    assert core_key(new, "training") != core_key(old, "training")
+    assert prefect_key(new, "training") != prefect_key(old, "training")
+    assert holds(core_key(new, "training"), "training", "loss_on_prompt")
+    assert holds(core_key(new, "training"), "training", "input_noise")
 
 
 def holds(key: Any, section: str, name: str) -> bool:
