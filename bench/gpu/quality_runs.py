@@ -2,18 +2,18 @@
 call: a stage whose files are there is skipped, so a call cut at its end resumes in the next.
 
 1. samples: one vLLM server (our `VllmServer`, the config's server settings) and every data setting's sample
-   set through it at once (`eagle3 sample`, server.engine external): greedy answers (the protocol), 2 and 4
-   responses a prompt at temperature 0.7; the 49152-token vocabulary trains on the same answers;
+   set through it at once (`eagle3 sample`, server.engine external): greedy answers (the protocol), 2, 4 and
+   8 responses a prompt at temperature 0.7; the 49152-token vocabulary trains on the same answers;
 2. training: bench/quality.py per data setting (hf extraction, then the variants in processes on the one GPU,
    --no-eval): validation tau over every position and over a decode's rounds;
 3. served: bench/quality.py --measure, the finalists' drafts in vLLM on HumanEval (164) and the run's 60
    held-out prompts beside one plain pass, PARALLEL_SERVERS servers at once, each draft saved as it finishes;
 4. sglang (with --stages ...,sglang): `eagle3 evaluate` with evaluation.engine=sglang, measurement (b) alone,
-   of the best served draft and of the one trained without norm_before_residual, beside vLLM's numbers.
+   of the best served draft, beside vLLM's numbers.
 
-Every variant is a change on `F`, the recipe of issue 17 (the config defaults before issue 28 turned
-loss_on_prompt and input_noise on); compute stays within 4 epochs of the greedy set (n responses train 4 / n
-epochs).
+Every variant is a change on `D`, the config defaults, or on `F`, the recipe of issue 17 (the defaults before
+issue 28 turned loss_on_prompt and input_noise on); compute stays within 4 epochs of the greedy set (n
+responses train 4 / n epochs).
 """
 
 from __future__ import annotations
@@ -31,43 +31,28 @@ CONFIG = REPO / "configs" / "h200-quality.yaml"
 SAMPLED = ["sampling.temperature=0.7", "sampling.top_p=0.95"]
 FULL_VOCAB = ["vocab.draft_vocab_size=49152"]
 # Data settings: sampling overrides, or (a data setting whose samples are reused, overrides) where only what
-# is built from the samples differs (the vocabulary): the same answers, one sampling.
+# is built from the samples differs (the vocabulary): the same answers, one sampling. (The second session's
+# levers alone, bench/RESULTS.md: change VARIANTS back with git log -p.)
 DATA: dict[str, list[str] | tuple[str, list[str]]] = {
     "n1": [],
     "n2": ["sampling.responses_per_prompt=2", *SAMPLED],
     "n4": ["sampling.responses_per_prompt=4", *SAMPLED],
-    "v49152": ("n1", FULL_VOCAB),
+    "n8": ["sampling.responses_per_prompt=8", *SAMPLED],
     "n4v49152": ("n4", FULL_VOCAB),
 }
-# F: the recipe of issue 17 (the defaults before issue 28 turned the two levers on), 4 epochs.
+# F: the recipe of issue 17 (the defaults before issue 28 turned the two levers on), 4 epochs; D: the defaults.
 FOUR = {"training.epochs": 4, "training.loss_on_prompt": False, "training.input_noise": 0.0}
-PROMPT_NOISE = {"training.loss_on_prompt": True, "training.input_noise": 0.2}
+# Issue 28's third session: one reference each (F, D), then more responses at the same compute (N responses,
+# 4 / N epochs), with the defaults and without the levers; the best of the second session again.
 VARIANTS = {
-    "n1": {
-        "F_4ep": FOUR,
-        "F_4ep_prompt": {**FOUR, "training.loss_on_prompt": True},
-        "F_4ep_noise": {**FOUR, "training.input_noise": 0.2},
-        "F_4ep_ema": {**FOUR, "training.ema_decay": 0.995},
-        "F_4ep_prompt_noise": {**FOUR, **PROMPT_NOISE},
-    },
-    "v49152": {"F_4ep_v49152": FOUR, "F_4ep_v49152_prompt_noise": {**FOUR, **PROMPT_NOISE}},
-    "n2": {"F_n2_2ep": {**FOUR, "training.epochs": 2}},
-    "n4": {"F_n4_1ep": {**FOUR, "training.epochs": 1}},
-    "n4v49152": {"F_n4_1ep_v49152_prompt_noise": {"training.epochs": 1, **PROMPT_NOISE}},
+    "n1": {"F_4ep": FOUR, "D_4ep": {}},
+    "n2": {"D_n2_2ep": {"training.epochs": 2}},
+    "n4": {"D_n4_1ep": {"training.epochs": 1}, "F_n4_1ep": {**FOUR, "training.epochs": 1}},
+    "n8": {"D_n8_half": {"training.epochs": 0.5}},
+    "n4v49152": {"D_n4_1ep_v49152": {"training.epochs": 1}},
 }
-# Served first where the device time may end: the 4-epoch reference of this session, the combinations, the
-# levers alone, more responses.
-SERVED_ORDER = (
-    "F_4ep",
-    "F_4ep_v49152_prompt_noise",
-    "F_4ep_prompt_noise",
-    "F_4ep_v49152",
-    "F_4ep_prompt",
-    "F_4ep_noise",
-    "F_n4_1ep",
-    "F_n4_1ep_v49152_prompt_noise",
-    "F_n2_2ep",
-)
+# Served first where the device time may end: the two references, then the responses.
+SERVED_ORDER = ("F_4ep", "D_4ep", "D_n4_1ep", "D_n8_half", "D_n2_2ep", "F_n4_1ep", "D_n4_1ep_v49152")
 # Servers at once in the served stage, each with this share of the GPU's memory (SmolLM2 needs ~1 GB).
 PARALLEL_SERVERS, SERVER_MEMORY = 5, 0.16
 
@@ -171,23 +156,23 @@ def measure_served(work: Path, extra: list[str], log_dir: Path, drafts: dict[str
 def measure_sglang(
     work: Path, extra: list[str], log_dir: Path, drafts: dict[str, str], served: dict, site: Path
 ) -> None:
-    """Stage 4: SGLang with the best served draft and the one without norm_before_residual."""
+    """Stage 4: measurement (b) in SGLang of the best served draft (16 prompts a set: batch-1 passes in SGLang
+    without CUDA graphs take ~2.4 s a request)."""
     by_draft = {row["draft"]: row["all"]["tau"] for row in served.get("drafts", [])}
     measured = {name: path for name, path in drafts.items() if path in by_draft}
     if not measured:
         print("sglang: no served draft yet", flush=True)
         return
-    best = max(measured, key=lambda name: by_draft[measured[name]])
-    for name in dict.fromkeys([best, "F_4ep_no_nbr"]):
+    for name in [max(measured, key=lambda name: by_draft[measured[name]])]:
         out = log_dir / f"sglang-{name}.json"
-        if name not in drafts or out.is_file():
+        if out.is_file():
             continue
         run = work / f"sglang-{name}"  # its own eval/ beside the n1 samples, so vLLM's reports stay
         run.mkdir(parents=True, exist_ok=True)
         if not (run / "samples").exists():
             (run / "samples").symlink_to(run_dir(work, "n1") / "samples")
         command = [sys.executable, "-m", "cli", "evaluate", "-c", str(CONFIG), "--draft", drafts[name]]
-        command += as_args([*sets_of(work, "n1", extra), *sglang_sets(run, site)])
+        command += as_args([*sets_of(work, "n1", extra), *sglang_sets(run, site), "evaluation.max_prompts=16"])
         with open(log_dir / f"sglang-{name}.log", "w") as log:
             rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
         if (run / "eval" / "vllm.json").is_file():
