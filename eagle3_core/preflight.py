@@ -18,7 +18,7 @@ from typing import Any
 from eagle3_core.config import PipelineConfig, ServerConfig
 from eagle3_core.events import PREFLIGHT, RunEvents
 from eagle3_core.gpus import gpu_compute_apps, has_cuda_gpus
-from eagle3_core.serving.engine import PortInUseError, check_port_free
+from eagle3_core.serving.lifecycle import PortInUseError, check_port_free
 
 
 class PreflightError(RuntimeError):

@@ -23,26 +23,18 @@ from eagle3_core.hosts import HostSlice
 from eagle3_core.progress import ProgressCallback, ProgressUpdate
 from eagle3_core.serving.lifecycle import (
     EngineServer,
-    LogTail,
     PortInUseError,
-    check_port_free,
-    exit_description,
     free_port,
-    log_excerpt,
 )
 from eagle3_core.serving.processes import ServerError, stop_server
 
 __all__ = [
     "EngineDied",
     "ExternalServer",
-    "LogTail",
     "PortInUseError",
     "ServerError",
     "VllmServer",
-    "check_port_free",
-    "exit_description",
     "free_port",
-    "log_excerpt",
     "open_server",
     "requests_in_flight",
     "stop_server",

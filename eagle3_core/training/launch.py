@@ -56,7 +56,7 @@ from eagle3_core.hosts import host_slice
 from eagle3_core.preflight import visible_gpus
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
 from eagle3_core.run_layout import RunLayout
-from eagle3_core.serving.engine import LogTail, exit_description, log_excerpt
+from eagle3_core.serving.lifecycle import LogTail, exit_description, log_excerpt
 from eagle3_core.serving.parent_death import die_with_launcher, die_with_parent
 from eagle3_core.serving.processes import POLL_S, stop_server, write_pid_file
 from eagle3_core.training.phase import (

@@ -93,7 +93,7 @@ def test_parse_load_seconds():
 
 def test_log_tail_splits_carriage_returns_and_keeps_partial_lines(tmp_path):
     log = tmp_path / "server.log"
-    tail = serving.LogTail(log)
+    tail = lifecycle.LogTail(log)
     assert tail.read_lines() == []
     log.write_bytes(b"INFO start\n\rLoading 1/2\rLoading 2")
     assert tail.read_lines() == ["INFO start", "Loading 1/2"]
@@ -108,7 +108,7 @@ def test_stall_clock_restarts_only_on_new_output(tmp_path, monkeypatch):
     log.write_text("one\n")
     clock = [100.0]
     monkeypatch.setattr(lifecycle.time, "monotonic", lambda: clock[0])
-    tail = serving.LogTail(log)
+    tail = lifecycle.LogTail(log)
     tail.read_lines()
     clock[0] = 160.0
     assert tail.read_lines() == [] and tail.idle_s() == 60

@@ -14,7 +14,7 @@ from eagle3_core.config import ConfigError, PipelineConfig, load_config
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.faults import InjectedFault
 from eagle3_core.progress import ProgressUpdate
-from eagle3_core.serving.engine import LogTail
+from eagle3_core.serving.lifecycle import LogTail
 from eagle3_core.training import launch
 from eagle3_core.training.launch import (
     AGENT_LOG,
