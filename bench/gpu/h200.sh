@@ -9,7 +9,7 @@
 #   bash bench/gpu/h200.sh limit    the 8B-shaped target, extraction throughput against the plain engine
 #   bash bench/gpu/h200.sh quality  (vLLM and SGLang staged) issue 28's screening, bench/gpu/quality_runs.py:
 #                                   sample sets, variants, served acceptance in vLLM, then SGLang beside it
-#                                   (STAGES=samples,training,served,sglang: the last stage is off by default)
+#                                   (STAGES=samples,training,served,sglang adds the last, off by default)
 #   bash bench/gpu/h200.sh sglang   (after run/finish, SGLang staged) `eagle3 evaluate` of the run's draft with
 #                                   evaluation.engine=sglang, measurement (b) alone, in a run folder of its own
 # Each step ends by $CALL_S (default 570) seconds after it started; a cut flow resumes in the next step.
@@ -116,7 +116,7 @@ case ${1:-} in
     timed python3 -m bench.gpu.device install --engine sglang || exit 1
     timed timeout -s TERM -k 20 $((END - SECONDS - 30)) python3 -m bench.gpu.quality_runs --work "$T/quality" \
       --out "$OUT/quality" --sglang-site "$(python3 -m bench.gpu.device site --engine sglang)" \
-      --set "target.cache_dir=$T/cache" --stages "${STAGES:-samples,training,served}" "${EXTRA[@]}" 2>&1 | grep -v " | DEBUG" | tail -60
+      --set "target.cache_dir=$T/cache" ${STAGES:+--stages "$STAGES"} "${EXTRA[@]}" 2>&1 | grep -v " | DEBUG" | tail -60
     tail -n 40 "$OUT"/quality/*.log >"$OUT/quality-log-tails.txt" 2>/dev/null
     ;;
   sglang)
