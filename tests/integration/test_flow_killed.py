@@ -7,9 +7,11 @@ After each kill nothing of the run is left: not its temporary Prefect server, no
 `eagle3 run` of the same config gives back the dead run's `gpu` slot at its first check (one `decision`
 line naming the dead holder; it never prints that it waits), returns the completed phases from cache and
 resumes the killed phase from its last part, shard or checkpoint, with only the weight loads that
-unfinished work needs: one for sampling or extraction (the engine), none for training. Each resumed run
-is stopped by EAGLE3_FAULT right after the phase under test. The tests share one run directory and run in
-order (each starts where the one before stopped)."""
+unfinished work needs: one for sampling or extraction (the engine), none for training. The tests share one
+run directory and run in order, as one chain of four runs: each resumed run, once its resumed phase is
+checked, goes on into the next phase and is the run the next test kills (mid-sampling kill, then its
+resume killed mid-extraction, that resume killed mid-training); the last resume is stopped by EAGLE3_FAULT
+right after training."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import psutil
 import pytest
 import yaml
 
-from eagle3_core.events import CACHE_HIT, DECISION, ENGINE_START, RESUME, WEIGHT_LOAD, RunEvents
+from eagle3_core.events import CACHE_HIT, DECISION, ENGINE_START, ENGINE_STOP, RESUME, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction.phase import DONE_SUFFIX
 from eagle3_core.faults import ENV
 from eagle3_core.run_layout import RunLayout
@@ -56,18 +58,24 @@ class Runs:
         self.env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", ENV)}
         self.env.update(PREFECT_HOME=str(self.home), PYTHONPATH=str(REPO))
         self.logs = root
+        self.running: tuple[str, subprocess.Popen] | None = None  # (log name, process) the next kill is for
 
     def start(self, name: str, fault: str | None = None) -> subprocess.Popen:
         env = {**self.env, ENV: fault} if fault else self.env
         out = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
         return subprocess.Popen([EAGLE3, "run", "-c", str(self.config)], cwd=REPO, env=env, stdout=out, stderr=out)
 
+    def launch(self, name: str) -> None:
+        """Start a run the chain's next kill is for."""
+        self.running = (name, self.start(name))
+
     def output(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text(errors="replace")
 
-    def kill_when(self, name: str, ready, what: str, timeout_s: float = 900) -> float:
-        """Start a run, SIGKILL its process once `ready()`; returns the time of the kill."""
-        run = self.start(name)
+    def kill_when(self, ready, what: str, timeout_s: float = 900) -> float:
+        """SIGKILL the launched run's process once `ready()`; returns the time of the kill."""
+        assert self.running is not None, "no launched run to kill: the test before it failed"
+        (name, run), self.running = self.running, None
         deadline = time.monotonic() + timeout_s
         try:
             while not ready():
@@ -82,6 +90,18 @@ class Runs:
                 run.kill()
         return killed
 
+    def resume_until(self, name: str, done, what: str, timeout_s: float = 1500) -> list[dict]:
+        """Launch the run again, unstopped, until its events satisfy `done(events)`; the events so far. The
+        run goes on, for the next test to kill."""
+        started = time.time()
+        self.launch(name)
+        deadline = time.monotonic() + timeout_s
+        while not done(events := self.events_since(started)):
+            assert self.running[1].poll() is None, f"the run ended before {what}:\n{self.output(name)[-3000:]}"
+            assert time.monotonic() < deadline, f"no {what} after {timeout_s} s"
+            time.sleep(0.2)
+        return events
+
     def resume(self, name: str, stop_at: str) -> list[dict]:
         """Run again, stopped by an injected fault at `stop_at`; the events it recorded."""
         started = time.time()
@@ -93,10 +113,13 @@ class Runs:
     def events_since(self, ts: float) -> list[dict]:
         return [e for e in RunEvents(self.run_dir).read() if e["ts"] >= ts]
 
+    def engine_groups(self) -> set[int]:
+        return {e["pid"] for e in RunEvents(self.run_dir).read() if e["event"] == ENGINE_START}
+
     def processes_left(self) -> list[psutil.Process]:
         """Live processes of the run: temporary Prefect servers of this PREFECT_HOME, engines (their whole
         process groups) and anything naming the run directory."""
-        groups = {e["pid"] for e in RunEvents(self.run_dir).read() if e["event"] == ENGINE_START}
+        groups = self.engine_groups()
         left = []
         for process in psutil.process_iter():
             try:
@@ -112,6 +135,24 @@ class Runs:
                 continue
         return left
 
+    def engines_left(self) -> list[int]:
+        """Live processes of the run's engines (their process groups), whatever else of the run still runs."""
+        groups = self.engine_groups()
+        left = []
+        for process in psutil.process_iter():
+            try:
+                if process.status() != psutil.STATUS_ZOMBIE and os.getpgid(process.pid) in groups:
+                    left.append(process.pid)
+            except (psutil.Error, ProcessLookupError):
+                continue
+        return left
+
+    def assert_no_engine_left(self, within_s: float = 30) -> None:
+        deadline = time.monotonic() + within_s
+        while (left := self.engines_left()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert left == [], left
+
     def assert_nothing_left(self, within_s: float = 30) -> None:
         deadline = time.monotonic() + within_s
         while (left := self.processes_left()) and time.monotonic() < deadline:
@@ -120,8 +161,12 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("killed"))
+def runs(tmp_path_factory: pytest.TempPathFactory):
+    runs = Runs(tmp_path_factory.mktemp("killed"))
+    yield runs
+    if runs.running is not None:  # a test failed before its kill: stop the run it left going
+        runs.running[1].kill()
+        runs.running[1].wait(timeout=30)
 
 
 def loads(events: list[dict]) -> Counter:
@@ -152,41 +197,48 @@ def latest_step(runs: Runs) -> int:
     return yaml.safe_load(latest.read_text())["step"] if latest.exists() else 0
 
 
+def reached(phase: str):
+    """`done` for `resume_until`: the run has begun `phase`, so every phase before it is over."""
+    return lambda events: any(e["phase"] == phase for e in events)
+
+
 @pytest.mark.timeout(2400)
 def test_killed_mid_sampling_resumes_sampling_with_one_weight_load(runs: Runs):
-    runs.kill_when("sampling-killed", lambda: len(parts(runs)) >= 1, "a sample part")
+    runs.launch("sampling-killed")
+    runs.kill_when(lambda: len(parts(runs)) >= 1, "a sample part")
     runs.assert_nothing_left()
     kept = len(parts(runs))
 
-    events = runs.resume("sampling-resumed", stop_at="extraction:start")
+    events = runs.resume_until("sampling-resumed", reached("extraction"), "extraction after the resumed sampling")
     slot_given_back(events, "sampling")
     assert WAITING not in runs.output("sampling-resumed")
     assert loads(events) == {"sampling": 1}
     [resume] = [e for e in events if e["event"] == RESUME and e["phase"] == "sampling"]
     assert resume["kept"] >= kept * CONFIG["sampling"]["rows_per_part"] > 0, "rows sampled before the kill are kept"
-    runs.assert_nothing_left()
 
 
 @pytest.mark.timeout(2400)
 def test_killed_mid_extraction_resumes_extraction_and_leaves_no_vllm_server(runs: Runs):
-    runs.kill_when("extraction-killed", lambda: len(done_shards(runs)) >= 1, "an extracted shard")
+    runs.kill_when(lambda: len(done_shards(runs)) >= 1, "an extracted shard")  # the sampling test's resumed run
     runs.assert_nothing_left()  # the shared vLLM server died with the flow process
     kept = {p.name for p in done_shards(runs)}
 
-    events = runs.resume("extraction-resumed", stop_at="vocab:start")
+    events = runs.resume_until("extraction-resumed", reached("vocab"), "vocab after the resumed extraction")
     slot_given_back(events, "extraction")
     assert WAITING not in runs.output("extraction-resumed")
     assert "sampling" in cache_hits(events)
     assert loads(events) == {"extraction": 1}, "only the unfinished extraction loads the target"
     [resume] = [e for e in events if e["event"] == RESUME and e["phase"] == "extraction"]
     assert not kept & {name + DONE_SUFFIX for name in resume["pending"]}, "shards done before the kill are kept"
-    runs.assert_nothing_left()
+    assert events[-1]["phase"] == "vocab" and [e for e in events if e["event"] == ENGINE_STOP]
+    runs.assert_no_engine_left()  # the server stopped with the extraction, while the run goes on
 
 
 @pytest.mark.timeout(2400)
 def test_killed_mid_training_resumes_from_the_last_checkpoint_without_a_weight_load(runs: Runs):
     max_steps = CONFIG["training"]["max_steps"]
-    runs.kill_when("training-killed", lambda: 2 <= latest_step(runs) < max_steps - 4, "a training checkpoint")
+    # the extraction test's resumed run
+    runs.kill_when(lambda: 2 <= latest_step(runs) < max_steps - 4, "a training checkpoint")
     runs.assert_nothing_left()
     step = latest_step(runs)
 
