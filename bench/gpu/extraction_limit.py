@@ -3,17 +3,24 @@ target with random bf16 weights (`random_targets.py llama8b`), the same random-t
 
 1. the engine's limit: a plain vLLM server (no speculative method, no connector) answering the samples'
    prefill-only requests (`max_tokens=1`), as many in flight as extraction sends;
-2. the extraction server (`extract_hidden_states` method + our connector, as the pipeline starts it): the same
-   requests asking for no states, then the `vllm` backend through `extract_hidden_states` storing bf16 and
-   fp8 shards (the shard loop timed: prefill, connector files, validation, fsync'd writes);
-3. our `hf` backend on the same samples and weights (bf16, the shard loop timed), and the cosine per stored
-   layer between its states and vLLM's.
+2. the extraction server (`extract_hidden_states` method + our connector, as the pipeline starts it), one
+   engine for every pass below (the connector's folder is a symlink that is re-pointed between passes):
+   - `vllm_store_*`: the `vllm` backend through `extract_hidden_states` (the shard loop timed: prefill,
+     connector files, read back, validation, fsync'd shard writes), with the connector's per-request files
+     on the run's disk or on a tmpfs (`--shm`), at several shard sizes and requests in flight (a shard's
+     requests are all answered before the next shard's are sent, so at most `samples_per_shard` are in flight);
+   - `connector_only_*`: the same requests through `VllmBackend.extract` alone (states written by the
+     connector and read back, no shard written), shard by shard or as one continuous pool;
+   - `extraction_engine_no_states*`: the plain pass's requests, asking for no states (last: on vLLM 0.26
+     before our connector's `request_finished` fix, this killed the engine);
+3. with `--hf`, our `hf` backend on the same samples and weights (bf16, the shard loop timed), and the cosine
+   per stored layer between its states and vLLM's.
 
-Each rate is prompt tokens over the wall time of the pass; a short warm-up pass comes first each time. Both
-engines run eager (`server.enforce_eager`): prefill batches of thousands of tokens are past every CUDA-graph
-capture size, and it saves two torch.compile warm-ups of device time.
+Each rate is prompt tokens over the wall time of the pass; a short warm-up pass comes first on each engine.
+Both engines run eager (`server.enforce_eager`): prefill batches of thousands of tokens are past every
+CUDA-graph capture size, and it saves two torch.compile warm-ups of device time.
 
-    python3 -m bench.gpu.extraction_limit --target DIR --work DIR [--samples 128 --tokens 2048]
+    python3 -m bench.gpu.extraction_limit --target DIR --work DIR [--samples 128 --tokens 2048] [--shm DIR] [--hf]
 """
 
 from __future__ import annotations
@@ -37,23 +44,68 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.extraction import phase
 from eagle3_core.extraction.reader import HiddenStateDataset
-from eagle3_core.extraction.vllm_backend import extraction_args
+from eagle3_core.extraction.vllm_backend import VllmBackend, extraction_args
 from eagle3_core.sampling.table import iter_rows
-from eagle3_core.serving.engine import VllmServer, requests_in_flight
+from eagle3_core.serving.engine import VllmServer
 from eagle3_core.target.prepare import describe_folder
 
 CONCURRENCY = 32
 COSINE_SAMPLES = 16
 
 
-def pipeline_config(run_dir: Path, tokens: int, backend: str = "vllm", dtype: str = "bf16") -> PipelineConfig:
+# (name, dtype, connector folder, samples per shard, requests in flight, shard-writer threads) of the
+# full-phase passes. Round `levers`: the old run's setting first (shards of 16: at most 16 of the 32 in
+# flight), then the connector's files on a tmpfs and more in flight. Round `writers`: the shard writer's
+# threads (`extraction.writer_threads`), on the disk.
+STORE_PASSES = {
+    "levers": [
+        ("bf16_disk_shard16_c32", "bf16", "disk", 16, 32, 2),
+        ("bf16_shm_shard16_c32", "bf16", "shm", 16, 32, 2),
+        ("bf16_disk_shard64_c32", "bf16", "disk", 64, 32, 2),
+        ("bf16_shm_shard64_c32", "bf16", "shm", 64, 32, 2),
+        ("bf16_shm_shard128_c64", "bf16", "shm", 128, 64, 2),
+        ("fp8_shm_shard128_c64", "fp8", "shm", 128, 64, 2),
+    ],
+    "writers": [
+        ("bf16_disk_shard16_c32", "bf16", "disk", 16, 32, 2),
+        ("bf16_disk_shard16_c32_w4", "bf16", "disk", 16, 32, 4),
+        ("bf16_disk_shard16_c32_w8", "bf16", "disk", 16, 32, 8),
+        ("bf16_disk_shard32_c32_w8", "bf16", "disk", 32, 32, 8),
+        ("fp8_disk_shard16_c32_w8", "fp8", "disk", 16, 32, 8),
+    ],
+}
+# (name, connector folder, samples per extract call, requests in flight); shard None: one continuous pool.
+CONNECTOR_PASSES = {
+    "levers": [
+        ("disk_shard16_c32", "disk", 16, 32),
+        ("shm_shard16_c32", "shm", 16, 32),
+        ("disk_pool_c32", "disk", None, 32),
+        ("shm_pool_c32", "shm", None, 32),
+        ("shm_pool_c64", "shm", None, 64),
+    ],
+    "writers": [("disk_pool_c32", "disk", None, 32)],
+}
+# The two sets compared state by state (the tmpfs must not change a state).
+COMPARED = {"levers": ("bf16_disk_shard16_c32", "bf16_shm_shard128_c64"), "writers": ()}
+
+
+def pipeline_config(
+    run_dir: Path,
+    tokens: int,
+    backend: str = "vllm",
+    dtype: str = "bf16",
+    shard: int = 16,
+    in_flight: int = 32,
+    writers: int = 2,
+) -> PipelineConfig:
     return PipelineConfig.model_validate({
         "run_dir": str(run_dir),
         "server": {"dtype": "bfloat16", "max_model_len": tokens + 16, "gpu_memory_utilization": 0.85,
                    "enforce_eager": True, "env": {"VLLM_USE_FLASHINFER_SAMPLER": "0"}, "startup_timeout_s": 900},
         "sampling": {"holdout_fraction": 0.0},
-        "extraction": {"backend": backend, "dtype": dtype, "concurrency": CONCURRENCY, "samples_per_shard": 16,
-                       "batch_size": 4, "compute_dtype": "bfloat16", "layer_ids": [2, 16, 29]},
+        "extraction": {"backend": backend, "dtype": dtype, "concurrency": in_flight, "samples_per_shard": shard,
+                       "batch_size": 4, "compute_dtype": "bfloat16", "layer_ids": [2, 16, 29],
+                       "writer_threads": writers},
     })  # fmt: skip
 
 
@@ -91,6 +143,30 @@ def timed_phase(
     finally:
         phase.run_shards = run_shards
     return states, spent[0]
+
+
+def connector_pass(base_url: str, rows: list[dict[str, Any]], shard: int | None, in_flight: int) -> float:
+    """Prompt tokens/s of `VllmBackend.extract` alone: states written by the connector and read back (lock,
+    load, delete), checked against the prompt ids, no shard written; `shard` rows at a time (None: all)."""
+    backend = VllmBackend(base_url, None, in_flight, 600, lambda wait_s: None)
+    chunks = [rows] if shard is None else [rows[i : i + shard] for i in range(0, len(rows), shard)]
+    try:
+        start = time.perf_counter()
+        for chunk in chunks:
+            backend.extract(chunk)
+        seconds = time.perf_counter() - start
+    finally:
+        backend.close()
+    return sum(len(row["input_ids"]) for row in rows) / seconds
+
+
+def point(link: Path, folder: Path) -> None:
+    """Re-point the connector's folder (a symlink; the engine joins it with each request's file name)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fresh = link.with_name(link.name + ".new")
+    fresh.unlink(missing_ok=True)
+    fresh.symlink_to(folder, target_is_directory=True)
+    fresh.replace(link)
 
 
 def rate_of(tokens_per_s: float, plain_rate: float) -> dict[str, float]:
@@ -132,45 +208,123 @@ def disk_write_gb_per_s(folder: Path, gib: int = 4) -> float:
     return gib * 2**30 / seconds / 1e9
 
 
-def run(target_dir: Path, work: Path, samples: int, tokens: int) -> dict[str, Any]:
+class Results(dict):
+    """The results so far, re-written to `out` after every pass (a call cut mid-run keeps what it measured)."""
+
+    def __init__(self, out: Path | None, **first: Any):
+        super().__init__(first)
+        self.out = out
+
+    def save(self) -> None:
+        if self.out:
+            self.out.write_text(json.dumps(self, indent=2))
+
+    def measure(self, name: str, measure: Any) -> Any:
+        """`measure()`'s row under `name`; a failing pass is recorded as its error and the next one runs."""
+        try:
+            self[name] = measure()
+        except Exception as exc:  # a benchmark row: reported, and the next pass runs
+            self[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]}
+        print(name, json.dumps(self[name]), flush=True)
+        self.save()
+        return self[name]
+
+
+def run(
+    target_dir: Path,
+    work: Path,
+    samples: int,
+    tokens: int,
+    shm: Path,
+    with_hf: bool,
+    out: Path | None = None,
+    round_: str = "levers",
+    plain_rate: float | None = None,
+) -> dict[str, Any]:
     target = describe_folder(target_dir, target_dir.name, "local")
     sample_set = cpu_sample_set(work / "samples", 49152, samples, tokens)
     warm = cpu_sample_set(work / "warm-samples", 49152, 8, tokens)
     rows, warm_rows = list(iter_rows(sample_set)), list(iter_rows(warm))
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "samples": samples, "tokens": samples * tokens}
+    results = Results(out, device=torch.cuda.get_device_name(), samples=samples, tokens=samples * tokens)
     results["disk_write_gb_per_s"] = round(disk_write_gb_per_s(work / "probe"), 2)
+    results["shm"] = {"path": str(shm), "free_gb": round(shutil.disk_usage(shm).free / 1e9, 1)}
+    results["round"] = round_
     config = pipeline_config(work / "vllm-bf16", tokens)
-    in_flight = requests_in_flight(config.server, CONCURRENCY)
-    events = RunEvents(work / "plain")
-    begun = time.monotonic()
-    with VllmServer(config.server, target.root_path, work / "plain", events, phase="sampling") as plain:
-        results["plain_engine_healthy_s"] = round(time.monotonic() - begun, 1)
-        prefill_pass(plain.base_url, warm_rows, in_flight)
-        plain_rate = prefill_pass(plain.base_url, rows, in_flight)
-    results["plain_engine"] = {"tokens_per_s": round(plain_rate)}
-    incoming = (work / "incoming").resolve()
-    incoming.mkdir(parents=True, exist_ok=True)
-    args = extraction_args(config.extraction.layer_ids, target.num_layers, incoming)
+    if plain_rate is not None:  # measured before (a plain engine start saved)
+        results["plain_engine"] = {"tokens_per_s": round(plain_rate), "in_flight": CONCURRENCY, "given": True}
+    else:
+        begun = time.monotonic()
+        with VllmServer(config.server, target.root_path, work / "plain", RunEvents(work / "plain"),
+                        phase="sampling") as plain:  # fmt: skip
+            results["plain_engine_healthy_s"] = round(time.monotonic() - begun, 1)
+            prefill_pass(plain.base_url, warm_rows, CONCURRENCY)
+            plain_rate = prefill_pass(plain.base_url, rows, CONCURRENCY)
+            results["plain_engine"] = {"tokens_per_s": round(plain_rate), "in_flight": CONCURRENCY}
+            # (a second pass of the same rows would be answered from the prefix cache: not measured)
+    results.save()
+    folders = {"disk": work.resolve() / "incoming-disk", "shm": shm.resolve() / "eagle3-limit-incoming"}
+    link = work.resolve() / "incoming"
+    point(link, folders["disk"])
+    args = extraction_args(config.extraction.layer_ids, target.num_layers, link)
     begun = time.monotonic()
     sets: dict[str, HiddenStateSet] = {}
     with VllmServer(config.server, target.root_path, work / "extract", RunEvents(work / "extract"),
                     extra_args=args, phase="extraction") as server:  # fmt: skip
         results["extraction_engine_healthy_s"] = round(time.monotonic() - begun, 1)
         timed_phase(pipeline_config(work / "warm-vllm", tokens), warm, target, server)
-        for dtype in ("fp8", "bf16"):
-            store = pipeline_config(work / f"vllm-{dtype}", tokens, dtype=dtype)
-            states, seconds = timed_phase(store, sample_set, target, server)
-            results[f"vllm_store_{dtype}"] = stored(states, seconds, plain_rate)
-            sets[dtype] = states
-        try:  # last: where the connector cannot take a request that asks for no states, the engine dies
-            results["extraction_engine_no_states"] = rate_of(prefill_pass(server.base_url, rows, in_flight), plain_rate)
-        except httpx.HTTPStatusError as exc:
-            results["extraction_engine_no_states"] = {"error": str(exc).splitlines()[0], "answer": exc.response.text}
-    shutil.rmtree(work / "vllm-fp8", ignore_errors=True)
-    hf_states, seconds = timed_phase(pipeline_config(work / "hf-bf16", tokens, backend="hf"), sample_set, target, None)
-    results["hf_store_bf16"] = stored(hf_states, seconds, plain_rate)
-    results["cosine_vllm_vs_hf_per_layer"] = layer_cosines(sets["bf16"], hf_states, COSINE_SAMPLES)
-    return results
+        for name, dtype, where, shard, in_flight, writers in STORE_PASSES[round_]:
+
+            def store_pass(name: str = name, dtype: str = dtype, shard: int = shard, in_flight: int = in_flight,
+                           where: str = where, writers: int = writers) -> dict[str, Any]:  # fmt: skip
+                point(link, folders[where])
+                store = pipeline_config(work / f"vllm-{name}", tokens, dtype=dtype, shard=shard, in_flight=in_flight,
+                                        writers=writers)  # fmt: skip
+                states, seconds = timed_phase(store, sample_set, target, server)
+                if name in COMPARED[round_]:
+                    sets[name] = states  # compared below: the tmpfs must not change a state
+                else:
+                    shutil.rmtree(work / f"vllm-{name}", ignore_errors=True)
+                where_and_how = {
+                    "connector_files": where,
+                    "samples_per_shard": shard,
+                    "in_flight": min(shard, in_flight),
+                    "writer_threads": writers,
+                }
+                return stored(states, seconds, plain_rate) | where_and_how
+
+            results.measure(f"vllm_store_{name}", store_pass)
+        for name, where, shard, in_flight in CONNECTOR_PASSES[round_]:
+
+            def connector_only(where: str = where, shard: int | None = shard, in_flight: int = in_flight) -> Any:
+                point(link, folders[where])
+                return rate_of(connector_pass(server.base_url, rows, shard, in_flight), plain_rate) | {
+                    "connector_files": where, "in_flight": min(shard or in_flight, in_flight)}  # fmt: skip
+
+            results.measure(f"connector_only_{name}", connector_only)
+        point(link, folders["disk"])
+        for name, in_flight in (("", CONCURRENCY), ("_c64", 2 * CONCURRENCY)):
+            # last: where the connector cannot take a request that asks for no states, the engine dies
+            row = results.measure(f"extraction_engine_no_states{name}", lambda n=in_flight: rate_of(
+                prefill_pass(server.base_url, rows, n), plain_rate) | {"in_flight": n})  # fmt: skip
+            if "error" in row:
+                break
+    if round_ == "levers" and len(sets) == 2:
+        a, b = (sets[name] for name in COMPARED[round_])
+        results.measure("cosine_disk_vs_shm_per_layer", lambda: layer_cosines(a, b, COSINE_SAMPLES))
+    shutil.rmtree(folders["shm"], ignore_errors=True)
+    for name in COMPARED[round_][1:]:
+        shutil.rmtree(work / f"vllm-{name}", ignore_errors=True)
+    if with_hf and "bf16_disk_shard16_c32" in sets:
+
+        def hf_pass() -> dict[str, Any]:
+            hf_config = pipeline_config(work / "hf-bf16", tokens, backend="hf")
+            hf_states, seconds = timed_phase(hf_config, sample_set, target, None)
+            results["cosine_vllm_vs_hf_per_layer"] = layer_cosines(sets["bf16_disk_shard16_c32"], hf_states, 16)
+            return stored(hf_states, seconds, plain_rate)
+
+        results.measure("hf_store_bf16", hf_pass)
+    results.save()
+    return dict(results)
 
 
 def main() -> None:
@@ -179,13 +333,15 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--shm", type=Path, default=Path("/dev/shm"), help="a tmpfs for the connector's files")
+    parser.add_argument("--hf", action="store_true", help="also the hf backend and its cosines against vLLM's")
+    parser.add_argument("--round", choices=sorted(STORE_PASSES), default="levers", help="which passes")
+    parser.add_argument("--plain-rate", type=float, help="the plain engine's tokens/s measured before: no plain start")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    results = run(args.target, args.work, args.samples, args.tokens)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    results = run(args.target, args.work, args.samples, args.tokens, args.shm, args.hf, args.out, args.round,
+                  args.plain_rate)  # fmt: skip
+    print(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

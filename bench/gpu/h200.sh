@@ -5,8 +5,15 @@
 #   bash bench/gpu/h200.sh run      carry the last call folder: install, GPU-release test, `eagle3 run`
 #   bash bench/gpu/h200.sh finish   the flow again (resumes or returns Cached), hf extraction, cosines
 #   bash bench/gpu/h200.sh kimi     (staged with --moe) the Kimi-shaped W4A16 MLA target written with random
-#                                   weights, the flow on it with the Llama-shaped draft, then the MLA draft
-#   bash bench/gpu/h200.sh limit    the 8B-shaped target, extraction throughput against the plain engine
+#                                   weights, the flow on it with each draft of KIMI_DRAFTS in turn (default
+#                                   "llama mla": the Llama-shaped draft, then the MLA draft; "mla llama" puts the
+#                                   MLA draft first; a cut flow resumes in the next call, its phases Cached)
+#   bash bench/gpu/h200.sh limit    the 8B-shaped target, extraction throughput against the plain engine; the
+#                                   connector's files on the disk and on a tmpfs (/dev/shm, or one mounted
+#                                   under $T when /dev/shm has < 8 GB free), several shard sizes and
+#                                   requests in flight; LIMIT_HF=1 adds the hf backend and its cosines;
+#                                   LIMIT_ROUND=writers the shard writer's threads instead, LIMIT_PLAIN_RATE=N
+#                                   skips the plain engine (its rate measured before)
 #   bash bench/gpu/h200.sh quality  (vLLM and SGLang staged) issue 28's screening, bench/gpu/quality_runs.py:
 #                                   sample sets, variants, served acceptance in vLLM, then SGLang beside it
 #                                   (STAGES=samples,training,served,sglang adds the last, off by default)
@@ -56,9 +63,15 @@ random_target() {  # $1 shape, $2 folder
   [ -f "$2/model.safetensors.index.json" ] || timed python3 -m bench.gpu.random_targets "$1" "$2" --tokenizer "$T/tokenizer"
 }
 
-backends() {  # which attention, MoE and quantization kernels vLLM chose, from every server log of run $1
-  grep -hE "backend|Marlin|MoE|moe|quantiz|Using|block size|CUDA graph" "$1"/server/*.log 2>/dev/null |
-    grep -vE "DEBUG|Avg prompt throughput" | sed -E 's/^.*(INFO|WARNING|ERROR)/\1/' | sort | uniq -c | sort -rn | head -60
+backends() {  # which attention, MoE and quantization kernels vLLM chose, per server log of run $1
+  local log
+  for log in "$1"/server/*.log; do
+    [ -f "$log" ] || continue
+    echo "== $(basename "$log")"
+    grep -hE "backend|Marlin|MoE|moe|quantiz|Using|block size|CUDA graph|[Ee]agle|[Dd]raft|[Ss]peculative" "$log" |
+      grep -vE "DEBUG|Avg prompt throughput|Avg Draft|SpecDecoding metrics" | sed -E 's/^.*(INFO|WARNING|ERROR)/\1/' |
+      cut -c1-400 | sort | uniq -c | sort -rn | head -40
+  done
 }
 
 case ${1:-} in
@@ -91,22 +104,34 @@ case ${1:-} in
     tokenizer
     random_target kimi "$T/kimi-w4a16"
     CONFIG=configs/h200-kimi-w4a16.yaml
-    SETS=(--set "run_dir=$T/run-kimi" --set "target.model=$T/kimi-w4a16" "${EXTRA[@]}")
-    flow kimi-llama
-    backends "$T/run-kimi" >"$OUT/kimi-llama-backends.txt"  # before the next run's starts rotate the logs
-    tar -czf "$OUT/kimi-llama-server.tgz" -C "$T/run-kimi" server 2>/dev/null
-    SETS+=(--set training.draft_architecture=deepseek_mla)
-    flow kimi-mla
+    BASE=(--set "run_dir=$T/run-kimi" --set "target.model=$T/kimi-w4a16" "${EXTRA[@]}")
+    for draft in ${KIMI_DRAFTS:-llama mla}; do
+      [ $((END - SECONDS)) -gt 90 ] || { echo "[h200.sh] no time left for the $draft draft" | tee -a "$OUT/steps.log"; break; }
+      SETS=("${BASE[@]}")
+      [ "$draft" = mla ] && SETS+=(--set training.draft_architecture=deepseek_mla)
+      flow "kimi-$draft"
+      backends "$T/run-kimi" >"$OUT/kimi-$draft-backends.txt"  # before the next run's starts rotate the logs
+      mkdir -p "$T/kimi-servers/$draft" && cp -r "$T/run-kimi/server/." "$T/kimi-servers/$draft/"
+      cp -r "$T/run-kimi/eval" "$T/kimi-servers/$draft/eval" 2>/dev/null
+    done
     cp "$T/run-kimi/events.jsonl" "$OUT/kimi-events.jsonl"
-    backends "$T/run-kimi" | tee "$OUT/kimi-backends.txt"
-    tar -czf "$OUT/kimi-run.tgz" -C "$T/run-kimi" --ignore-failed-read eval server 2>/dev/null
+    tar -czf "$OUT/kimi-run.tgz" -C "$T" --ignore-failed-read kimi-servers 2>/dev/null
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$OUT/steps.log"
     ;;
   limit)
     timed python3 -m bench.gpu.device install || exit 1
     tokenizer
     random_target llama8b "$T/llama8b"
-    timed python3 -m bench.gpu.extraction_limit --target "$T/llama8b" --work "$T/limit" --out "$OUT/limit.json" \
-      2>&1 | grep -v " | DEBUG" | tail -40
+    SHM=/dev/shm
+    df -h /dev/shm "$T" | tee -a "$OUT/steps.log"
+    if [ "$(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1 | tr -d ' ')" -lt 8 ] 2>/dev/null || [ ! -d /dev/shm ]; then
+      mkdir -p "$T/shm" && mount -t tmpfs -o size=16g tmpfs "$T/shm" && SHM=$T/shm
+      df -h "$T/shm" | tee -a "$OUT/steps.log"
+    fi
+    echo "[h200.sh] connector tmpfs: $SHM" | tee -a "$OUT/steps.log"
+    timed timeout -s TERM -k 20 $((END - SECONDS - 30)) python3 -m bench.gpu.extraction_limit --target "$T/llama8b" \
+      --work "$T/limit" --out "$OUT/limit.json" --shm "$SHM" ${LIMIT_HF:+--hf} ${LIMIT_ROUND:+--round "$LIMIT_ROUND"} \
+      ${LIMIT_PLAIN_RATE:+--plain-rate "$LIMIT_PLAIN_RATE"} 2>&1 | grep -v " | DEBUG" | tail -60
     backends "$T/limit/extract" | tee "$OUT/limit-backends.txt"
     tail -c 300000 "$T/limit/extract/server/extraction.log" >"$OUT/limit-extraction.log" 2>/dev/null
     rm -rf "$T/limit"
