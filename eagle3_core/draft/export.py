@@ -64,6 +64,20 @@ MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_d
 INDEX_TENSORS = {"d2t": torch.int64, "t2d": torch.bool}
 
 
+def rope_parameters(config: DraftConfig) -> dict:
+    """The draft's plain rope as config.json states it. For the MLA draft it is written as a YaRN rope that
+    changes nothing (factor 1: the same frequencies, both mscales 1): vLLM 0.26's `deepseek_eagle3` layer
+    turns any non-empty `rope_scaling` (under transformers 5 an alias of `rope_parameters`, never empty) into
+    DeepSeek's YaRN and reads its `factor` and `original_max_position_embeddings`, so a plain rope failed
+    to load there (`KeyError: 'factor'`, on the H200); 0.32 builds the same identity rope from it."""
+    if config.architecture != "deepseek_mla":
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    return {
+        "rope_type": "yarn", "rope_theta": config.rope_theta, "factor": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": config.max_position_embeddings,
+    }  # fmt: skip
+
+
 def hf_config(config: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
     """config.json: a one-layer Llama (or DeepSeek-V2 MLA layer) plus the EAGLE-3 fields. The aux layer ids
     go both at the top level (read by vLLM's worker to pick the target layers) and in `eagle_config` (read
@@ -83,7 +97,7 @@ def hf_config(config: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": rope_parameters(config),
         "max_position_embeddings": config.max_position_embeddings,
         "attention_bias": False,
         "mlp_bias": False,

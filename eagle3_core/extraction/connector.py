@@ -12,9 +12,12 @@ It also writes states only for requests that ask for them: a request whose `kv_t
 `{"eagle3_extract": true}` (what the extraction backend sends). vLLM's example names a file for every new
 request and delays freeing its blocks until that file is written; here every other request (a sampling
 request on a server shared by sampling and extraction) gets no file, writes nothing and frees its blocks
-at once. vLLM 0.26's example then fails on such a request when it finishes (it pops the request's file
-name without a default: `KeyError` in the engine core, every request after it answered 500, seen on the
-H200); 0.27+ returns "nothing to save" for it. `request_finished` answers that itself on every version.
+at once. vLLM 0.26's example then fails on such a request twice, both seen on the H200: when it finishes
+(it pops the request's file name without a default: `KeyError` in the engine core, every request after it
+answered 500; 0.27+ returns "nothing to save"), and when the worker polls the finished requests (it reports
+every one of them as sent, the scheduler then asserts it still holds one it had freed: `assert req_id in
+self.requests`; 0.32 reports only the requests it made a copy for). `request_finished` answers the first
+itself, and `get_finished` passes on only the requests that were given a file, on every version.
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ def slot_mapping(block_ids: list[int], block_size: int) -> torch.Tensor:
 
 
 class HiddenStatesConnector(ExampleHiddenStatesConnector):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._given_files: set[str] = set()  # worker side: the requests the scheduler named a file for
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ExampleHiddenStatesConnectorMetadata:
         """The example's metadata without the new requests that did not ask for their states: with no
         file name, `request_finished` neither delays their blocks nor saves anything."""
@@ -81,6 +88,17 @@ class HiddenStatesConnector(ExampleHiddenStatesConnector):
         if request.request_id not in self._request_filenames:
             return False, None
         return super().request_finished(request, block_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The example's polling, over the finished requests that were given a file only (those named in the
+        metadata's `new_req_filenames`, which `build_connector_meta` keeps to the requests that asked)."""
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, ExampleHiddenStatesConnectorMetadata):
+                self._given_files.update(meta.new_req_filenames)
+        given = {req_id for req_id in finished_req_ids if req_id in self._given_files}
+        self._given_files -= given
+        return super().get_finished(given)
 
     def _submit_async_write(self, pending: PendingSave) -> None:
         if self._kv_cache is None or self._kv_cache.is_cuda:

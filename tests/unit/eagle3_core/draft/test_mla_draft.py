@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from eagle3_core.config import PipelineConfig
-from eagle3_core.draft.export import check_checkpoint, checkpoint_tensors, export_draft, load_exported
+from eagle3_core.draft.export import check_checkpoint, checkpoint_tensors, config_from_hf, export_draft, load_exported
 from eagle3_core.draft.model import DraftConfig, DraftKVCache, Eagle3Draft
 from eagle3_core.training.attention import document_causal_mask, merge_diagonal, ttt_attention_eager
 from eagle3_core.training.distributed import projection_layout
@@ -165,6 +165,26 @@ def test_mla_export_is_vllms_deepseek_eagle3_layout_and_round_trips(tmp_path, q_
     assert loaded.config == replace(draft.config, target_hidden_size=32)  # the export states the width
     aux, ids = torch.randn(5, 3, 32), torch.randint(0, 97, (5,))
     assert torch.equal(draft.propose(DraftKVCache(), aux, ids, 3)[0], loaded.propose(DraftKVCache(), aux, ids, 3)[0])
+
+
+def test_mla_export_states_a_rope_vllm_026_can_build_and_it_is_the_plain_one(tmp_path) -> None:
+    """vLLM 0.26's `deepseek_eagle3` layer makes DeepSeek's YaRN of any non-empty `rope_scaling` (under
+    transformers 5 the `rope_parameters`) and reads its `factor`: the plain rope of the export before failed
+    there with `KeyError: 'factor'` (on the H200). The rope it builds from the export must be the plain one."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    draft = mla_draft().float()
+    export_draft(draft, tmp_path, dtype=torch.float32)
+    exported = json.loads((tmp_path / "config.json").read_text())
+    rope_scaling = dict(exported["rope_parameters"])
+    rope_scaling["rope_type"] = "deepseek_yarn"  # what 0.26's layer does with it
+    with set_current_vllm_config(VllmConfig()):
+        served = get_rope(ROPE, max_position=64, rope_parameters=rope_scaling, is_neox_style=False)
+        plain = get_rope(ROPE, max_position=64, rope_parameters={"rope_type": "default",
+                         "rope_theta": draft.config.rope_theta}, is_neox_style=False)  # fmt: skip
+    assert torch.equal(served.cos_sin_cache[:64], plain.cos_sin_cache[:64])
+    assert config_from_hf(exported) == replace(draft.config, target_hidden_size=32)  # and it loads back as trained
 
 
 def test_mla_export_refuses_a_missing_latent_norm_and_norm_before_fc() -> None:

@@ -57,3 +57,39 @@ def test_a_request_that_asked_for_no_states_finishes_on_vllm_026s_connector_too(
     saved = connector.request_finished(SimpleNamespace(request_id="extract-1"), [2])
     assert saved == (True, {"hidden_states_path": "/states/extract-1.safetensors"})
     assert connector._request_filenames == {}
+
+
+def vllm_026_get_finished(self, finished_req_ids):
+    """vLLM 0.26's example connector: every finished request whose copy is done is reported as sent, also one
+    it made no copy for (0.32 reports only those it has a copy event for)."""
+    self._accumulated_finished_req_ids.update(finished_req_ids)
+    done = set()
+    for req_id in list(self._accumulated_finished_req_ids):
+        event = self._req_copy_events.get(req_id)
+        if event is not None and not event.query():
+            continue
+        self._req_copy_events.pop(req_id, None)
+        self._accumulated_finished_req_ids.discard(req_id)
+        done.add(req_id)
+    return done or None, None
+
+
+def test_a_request_that_asked_for_no_states_is_never_reported_sent_on_vllm_026s_connector(monkeypatch):
+    """On the H200 (vLLM 0.26), after the fix above, the engine core still died on such a request: 0.26's
+    worker reported it as sent, and the scheduler, which had freed it, asserted it still held it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector,
+        ExampleHiddenStatesConnectorMetadata,
+    )
+
+    monkeypatch.setattr(ExampleHiddenStatesConnector, "get_finished", vllm_026_get_finished)
+    connector = object.__new__(HiddenStatesConnector)
+    connector._given_files, connector._accumulated_finished_req_ids = set(), set()
+    connector._req_copy_events = {}
+    meta = ExampleHiddenStatesConnectorMetadata()
+    meta.new_req_filenames["extract-1"] = "/states/extract-1.safetensors"  # sample-1 asked for none
+    connector._connector_metadata = meta
+    assert connector.get_finished(set()) == (None, None)  # the step that scheduled both
+    connector._req_copy_events["extract-1"] = CompletedCopy()
+    assert connector.get_finished({"sample-1", "extract-1"}) == ({"extract-1"}, None)
+    assert connector._given_files == set() and connector._accumulated_finished_req_ids == set()
