@@ -12,7 +12,7 @@ target with random bf16 weights (`random_targets.py llama8b`), the same random-t
    - `connector_only_*`: the same requests through `VllmBackend.extract` alone (states written by the
      connector and read back, no shard written), shard by shard or as one continuous pool;
    - `extraction_engine_no_states*`: the plain pass's requests, asking for no states (last: on vLLM 0.26
-     before our connector's `request_finished` fix, this killed the engine);
+     before our connector's `request_finished` and `get_finished` fixes, this killed the engine);
 3. with `--hf`, our `hf` backend on the same samples and weights (bf16, the shard loop timed), and the cosine
    per stored layer between its states and vLLM's.
 
@@ -319,7 +319,8 @@ def run(
         def hf_pass() -> dict[str, Any]:
             hf_config = pipeline_config(work / "hf-bf16", tokens, backend="hf")
             hf_states, seconds = timed_phase(hf_config, sample_set, target, None)
-            results["cosine_vllm_vs_hf_per_layer"] = layer_cosines(sets["bf16_disk_shard16_c32"], hf_states, 16)
+            vllm_states = sets["bf16_disk_shard16_c32"]
+            results["cosine_vllm_vs_hf_per_layer"] = layer_cosines(vllm_states, hf_states, COSINE_SAMPLES)
             return stored(hf_states, seconds, plain_rate)
 
         results.measure("hf_store_bf16", hf_pass)

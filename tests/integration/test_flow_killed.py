@@ -116,48 +116,46 @@ class Runs:
     def engine_groups(self) -> set[int]:
         return {e["pid"] for e in RunEvents(self.run_dir).read() if e["event"] == ENGINE_START}
 
-    def processes_left(self) -> list[psutil.Process]:
-        """Live processes of the run: temporary Prefect servers of this PREFECT_HOME, engines (their whole
-        process groups) and anything naming the run directory."""
+    def live(self, ours) -> list[psutil.Process]:
+        """Live processes (no zombie, not this test) for which `ours(process, engine process groups)` holds."""
         groups = self.engine_groups()
         left = []
         for process in psutil.process_iter():
             try:
-                if process.status() == psutil.STATUS_ZOMBIE or process.pid == os.getpid():
-                    continue
-                command = " ".join(process.cmdline())
-                ours = (APP in command and process.environ().get("PREFECT_HOME") == str(self.home)) or (
-                    os.getpgid(process.pid) in groups or str(self.run_dir) in command
-                )
-                if ours:
+                if process.status() != psutil.STATUS_ZOMBIE and process.pid != os.getpid() and ours(process, groups):
                     left.append(process)
             except (psutil.Error, ProcessLookupError):
                 continue
         return left
 
-    def engines_left(self) -> list[int]:
+    def processes_left(self) -> list[psutil.Process]:
+        """Live processes of the run: temporary Prefect servers of this PREFECT_HOME, engines (their whole
+        process groups) and anything naming the run directory."""
+
+        def ours(process: psutil.Process, groups: set[int]) -> bool:
+            command = " ".join(process.cmdline())
+            return (APP in command and process.environ().get("PREFECT_HOME") == str(self.home)) or (
+                os.getpgid(process.pid) in groups or str(self.run_dir) in command
+            )
+
+        return self.live(ours)
+
+    def engines_left(self) -> list[psutil.Process]:
         """Live processes of the run's engines (their process groups), whatever else of the run still runs."""
-        groups = self.engine_groups()
-        left = []
-        for process in psutil.process_iter():
-            try:
-                if process.status() != psutil.STATUS_ZOMBIE and os.getpgid(process.pid) in groups:
-                    left.append(process.pid)
-            except (psutil.Error, ProcessLookupError):
-                continue
-        return left
+        return self.live(lambda process, groups: os.getpgid(process.pid) in groups)
 
-    def assert_no_engine_left(self, within_s: float = 30) -> None:
+    def assert_gone(self, left_now, within_s: float = 30) -> None:
+        """`left_now()` is empty within `within_s` (processes take a moment to exit after their stop)."""
         deadline = time.monotonic() + within_s
-        while (left := self.engines_left()) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert left == [], left
-
-    def assert_nothing_left(self, within_s: float = 30) -> None:
-        deadline = time.monotonic() + within_s
-        while (left := self.processes_left()) and time.monotonic() < deadline:
+        while (left := left_now()) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert left == [], [" ".join(p.cmdline())[:200] for p in left]
+
+    def assert_nothing_left(self) -> None:
+        self.assert_gone(self.processes_left)
+
+    def assert_no_engine_left(self) -> None:
+        self.assert_gone(self.engines_left)
 
 
 @pytest.fixture(scope="module")
