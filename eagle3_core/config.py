@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PositiveFloat,
@@ -25,6 +26,17 @@ SECRET_KEY_VARIABLE = "EAGLE3_API_KEY"
 SECRET_REFUSED = "secret_refused"  # a validation error whose input must not be echoed
 # `--api-key KEY`, `--api-key=KEY`, or inside a YAML list `[--api-key, KEY]`: group 1 is all but the key.
 API_KEY_ARGUMENT = re.compile(r"(--api-key(?:=|[\s,]+))[^\s,\]}]+")
+
+
+def _switch_word(value: Any) -> Any:
+    """YAML 1.1 reads an unquoted `on`/`off` (and yes/no, true/false) as a boolean: take it as the word meant."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
+
+
+# `compile: on` and `--set extraction.reuse_sampling_server=on` as a user types them, not only quoted.
+Switch = Annotated[Literal["off", "on", "auto"], BeforeValidator(_switch_word)]
 
 
 # A field's role in each phase that reads it, kept in the field's JSON schema under PHASE_ROLES (the Prefect
@@ -343,7 +355,7 @@ class ExtractionConfig(Section):
         description="Torch device of the hf backend: auto, cpu, cuda, cuda:1.",
         json_schema_extra=operational("extraction"),
     )
-    reuse_sampling_server: Literal["off", "on", "auto"] = Field(
+    reuse_sampling_server: Switch = Field(
         "off",
         description="Extract on the sampling server instead of a second engine (one weight load).",
         json_schema_extra=operational("extraction"),
@@ -570,7 +582,7 @@ class TrainingConfig(Section):
     keep_checkpoints: int = Field(
         2, ge=1, description="Resumable training states kept (newest first).", json_schema_extra=operational("training")
     )
-    compile: Literal["auto", "on", "off"] = Field(
+    compile: Switch = Field(
         "auto",
         description="torch.compile the draft's dense blocks + fused soft-CE: auto = on CUDA; same math.",
         json_schema_extra=operational("training"),

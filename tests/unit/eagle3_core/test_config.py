@@ -70,3 +70,15 @@ def test_several_responses_per_prompt_need_a_temperature():
         load_config(None, ["sampling.responses_per_prompt=2"])
     config = load_config(None, ["sampling.responses_per_prompt=2", "sampling.temperature=0.7"])
     assert config.sampling.responses_per_prompt == 2
+
+
+def test_an_unquoted_on_or_off_is_the_switch_word_not_a_boolean(tmp_path):
+    """YAML reads `on`/`off` as booleans; the H200 run typed `--set extraction.reuse_sampling_server=on`."""
+    config = load_config(None, ["extraction.reuse_sampling_server=on", "training.compile=off"])
+    assert (config.extraction.reuse_sampling_server, config.training.compile) == ("on", "off")
+    path = tmp_path / "c.yaml"
+    path.write_text("extraction:\n  reuse_sampling_server: off\ntraining:\n  compile: on\n")
+    config = load_config(path)
+    assert (config.extraction.reuse_sampling_server, config.training.compile) == ("off", "on")
+    with pytest.raises(ConfigError, match=r"extraction\.reuse_sampling_server"):
+        load_config(None, ["extraction.reuse_sampling_server=1"])
