@@ -35,13 +35,14 @@ class FileRecord(BaseModel):
     mtime_ns: int = Field(description="Modification time when written; a change triggers a re-hash.")
 
     @classmethod
-    def of(cls, path: Path, root: Path) -> FileRecord:
-        """Record a file just written under `root` (hashes it once)."""
+    def of(cls, path: Path, root: Path, sha256: str | None = None) -> FileRecord:
+        """Record a file just written under `root`: `sha256` when its writer hashed it while writing, else
+        the file is hashed once here."""
         stat = path.stat()
         return cls(
             path=str(path.relative_to(root)),
             bytes=stat.st_size,
-            sha256=sha256_file(path),
+            sha256=sha256 or sha256_file(path),
             mtime_ns=stat.st_mtime_ns,
         )
 

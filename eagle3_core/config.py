@@ -391,9 +391,10 @@ class ExtractionConfig(Section):
         json_schema_extra=operational("extraction"),
     )
     writer_threads: int = Field(
-        2,
+        4,
         ge=1,
-        description="Threads validating and writing shards while the next shard's prefill runs.",
+        description="Threads validating and writing shards while the next shard's prefill runs; each holds one "
+        "shard in host memory (4: 0.66x the plain prefill on an H200, 2: 0.57x, bench/RESULTS.md).",
         json_schema_extra=operational("extraction"),
     )
 

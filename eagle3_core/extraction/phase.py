@@ -86,10 +86,10 @@ def done_record(out_dir: Path, name: str, key: str) -> dict | None:
     return record
 
 
-def write_done_record(out_dir: Path, shard: Path, key: str, samples: list[SampleStates]) -> None:
+def write_done_record(out_dir: Path, shard: Path, key: str, samples: list[SampleStates], sha256: str) -> None:
     record = {
         "key": key,
-        "file": FileRecord.of(shard, out_dir).model_dump(),
+        "file": FileRecord.of(shard, out_dir, sha256).model_dump(),
         "samples": [[s.sample_id, len(s.input_ids)] for s in samples],
     }
     write_text_atomic(out_dir / (shard.name + DONE_SUFFIX), json.dumps(record))
@@ -236,8 +236,8 @@ def run_shards(
         return check
 
     def on_written(key: str):
-        def done(path: Path, samples: list[SampleStates]) -> None:
-            write_done_record(out_dir, path, key, samples)
+        def done(path: Path, samples: list[SampleStates], sha256: str) -> None:
+            write_done_record(out_dir, path, key, samples, sha256)
             counts["shards"] += 1
 
         return done

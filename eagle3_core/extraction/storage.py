@@ -11,12 +11,15 @@ A shard stores, for its samples concatenated along the token axis:
 and, in the safetensors metadata, the sample ids in order and the shard's plan key.
 
 This module imports only torch and safetensors (no pydantic), so the GPU benchmark can use the same writer.
+Shards are streamed sample by sample into safetensors' layout (its header written here), hashed while written.
 Shards are written atomically (temp file + rename): a reader never sees half a shard.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import queue
 import threading
 from collections.abc import Callable
@@ -26,7 +29,6 @@ from typing import Protocol, TypedDict
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from eagle3_core.files import DiskFullError, atomic_path
 
@@ -38,6 +40,14 @@ STORAGE_DTYPES = ("bf16", "fp8")
 LAST_STATE_NORMED = False
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+# safetensors' names of the dtypes a shard holds: write_shard writes the header itself, to stream the rows
+SAFETENSORS_DTYPES = {
+    torch.int64: "I64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    FP8: "F8_E4M3",
+    torch.int8: "I8",
+}
 # Relative L2 error of one fp8 row against its bf16 source: e4m3 rounds to 3 mantissa bits, so each
 # element is off by at most 2^-4 of itself (normal range); over a row the L2 error stays well below that.
 FP8_MAX_RELATIVE_ERROR = 0.04
@@ -135,47 +145,71 @@ def states_finite(states: SampleStates) -> bool:
     if states.finite is not None:
         return bool(states.finite.all())
     if states.quantized:
-        return bool(torch.isfinite(states.aux_scale).all() and torch.isfinite(states.last_scale).all())
-    return bool(torch.isfinite(states.aux).all() and torch.isfinite(states.last).all())
+        return all_finite(states.aux_scale) and all_finite(states.last_scale)
+    return all_finite(states.aux) and all_finite(states.last)
 
 
-def float_states(states: SampleStates) -> tuple[torch.Tensor, torch.Tensor]:
-    """aux [T, 3, H], last [T, H] as float tensors on the host."""
-    if states.quantized:
-        return dequantize_fp8(states.aux, states.aux_scale), dequantize_fp8(states.last, states.last_scale)
-    return states.aux.to("cpu"), states.last.to("cpu")
+def all_finite(x: torch.Tensor) -> bool:
+    """No NaN/Inf in `x`. Any NaN or Inf makes the sum non-finite, so a finite sum settles it in one pass and
+    without a mask the size of `x`; only a non-finite sum (a NaN, an Inf, or an overflow) is checked per value."""
+    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
 
 
-def shard_tensors(samples: list[SampleStates], dtype: str) -> dict[str, torch.Tensor]:
-    """Concatenate samples into the shard layout, quantising to fp8 when asked."""
-    if dtype not in STORAGE_DTYPES:
-        raise ValueError(f"storage dtype must be one of {STORAGE_DTYPES}, got {dtype!r}")
-    lengths = torch.tensor([0] + [len(s.input_ids) for s in samples], dtype=torch.long)
-    tensors = {
-        "input_ids": torch.cat([s.input_ids.to("cpu", torch.long) for s in samples]),
-        "loss_mask": torch.cat([s.loss_mask.to("cpu", torch.int8) for s in samples]),
-        "offsets": torch.cumsum(lengths, 0),
-    }
-    if dtype == "fp8" and all(s.quantized for s in samples):
-        for name in ("aux", "aux_scale", "last", "last_scale"):
-            tensors[name] = torch.cat([getattr(s, name).to("cpu") for s in samples])
-        return tensors
-    states = [float_states(s) for s in samples]
-    aux = torch.cat([a for a, _ in states])  # [tokens, 3, H]
-    last = torch.cat([b for _, b in states])  # [tokens, H]
-    if dtype == "bf16":
-        tensors["aux"] = aux.to(torch.bfloat16).contiguous()
-        tensors["last"] = last.to(torch.bfloat16).contiguous()
-    else:
-        tensors["aux"], tensors["aux_scale"] = quantize_fp8(aux)
-        tensors["last"], tensors["last_scale"] = quantize_fp8(last)
-    return tensors
+def stored_state(states: SampleStates, name: str, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One sample's `aux` [T, 3, H] or `last` [T, H] as the shard stores it, with its fp8 scales ([T, 3] or
+    [T]; None in bf16). States the backend quantised go in as they are."""
+    value, scale = getattr(states, name), getattr(states, f"{name}_scale")
+    if dtype == "fp8":
+        return (value.to("cpu"), scale.to("cpu", torch.float32)) if scale is not None else quantize_fp8(value.to("cpu"))
+    if scale is not None:
+        value = dequantize_fp8(value, scale)
+    return value.to("cpu", torch.bfloat16), None
 
 
-def write_shard(path: Path, samples: list[SampleStates], dtype: str, metadata: dict[str, str]) -> Path:
-    """Write one shard atomically; `metadata` (e.g. the plan key) is stored beside the sample ids."""
+def shard_layout(samples: list[SampleStates], dtype: str) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of the shard's tensors in file order, each starting at a multiple of its item
+    size: the int64 ones first, then the states, fp8's float32 scales after 4·T·H bytes of fp8, int8 last."""
+    tokens = sum(len(s.input_ids) for s in samples)
+    width, hidden = samples[0].aux.shape[1:]
+    state = torch.bfloat16 if dtype == "bf16" else FP8
+    layout = [
+        ("input_ids", torch.int64, (tokens,)),
+        ("offsets", torch.int64, (len(samples) + 1,)),
+        ("aux", state, (tokens, width, hidden)),
+        ("last", state, (tokens, hidden)),
+    ]
+    if dtype == "fp8":
+        layout += [("aux_scale", torch.float32, (tokens, width)), ("last_scale", torch.float32, (tokens,))]
+    return [*layout, ("loss_mask", torch.int8, (tokens,))]
+
+
+def safetensors_header(layout: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
+    """The safetensors header for tensors stored back to back in `layout`'s order: an 8-byte little-endian
+    length, then the JSON, padded with spaces to a multiple of 8."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape in layout:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def write_shard(path: Path, samples: list[SampleStates], dtype: str, metadata: dict[str, str]) -> str:
+    """Write one shard atomically and return its sha256. Each sample's rows are converted and written in
+    place (no shard-sized copy in memory, no second read to hash it); the writes and the hashing release the
+    GIL, so the request threads of the next shard keep running. `metadata` (e.g. the plan key) is stored
+    beside the sample ids."""
     if not samples:
         raise ValueError(f"{path}: a shard needs at least one sample")
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"storage dtype must be one of {STORAGE_DTYPES}, got {dtype!r}")
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -183,11 +217,35 @@ def write_shard(path: Path, samples: list[SampleStates], dtype: str, metadata: d
         "sample_ids": json.dumps([s.sample_id for s in samples]),
         **metadata,
     }
-    tensors = shard_tensors(samples, dtype)
-    needed = sum(t.nbytes for t in tensors.values()) + len(json.dumps(meta))
-    with atomic_path(Path(path), needed=needed) as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
-    return Path(path)
+    layout = shard_layout(samples, dtype)
+    header = safetensors_header(layout, meta)
+    needed = len(header) + sum(math.prod(shape) * item.itemsize for _, item, shape in layout)
+    lengths = torch.tensor([0] + [len(s.input_ids) for s in samples], dtype=torch.long)
+    digest = hashlib.sha256(header)
+    with atomic_path(Path(path), needed=needed) as tmp, open(tmp, "wb") as file:
+
+        def put(tensor: torch.Tensor) -> None:
+            data = tensor.contiguous().view(torch.uint8).numpy()
+            file.write(data)
+            digest.update(data)
+
+        file.write(header)
+        for s in samples:
+            put(s.input_ids.to("cpu", torch.long))
+        put(torch.cumsum(lengths, 0))
+        scales: dict[str, list[torch.Tensor]] = {"aux": [], "last": []}
+        for name in ("aux", "last"):
+            for s in samples:
+                rows, scale = stored_state(s, name, dtype)
+                put(rows)
+                if scale is not None:
+                    scales[name].append(scale)
+        for name in ("aux", "last"):
+            for scale in scales[name]:
+                put(scale)
+        for s in samples:
+            put(s.loss_mask.to("cpu", torch.int8))
+    return digest.hexdigest()
 
 
 def read_shard_metadata(path: Path) -> dict[str, str]:
@@ -247,7 +305,7 @@ class BackgroundShardWriter:
     `submit` blocks only when `max_pending` shards are already queued (bounded host memory). A write
     error is raised from the next `submit` or from `close`, never lost. In the thread, `ready` (e.g. a
     CUDA event) is waited on before the samples' host copies are read, then `check` validates them (a
-    raise there writes nothing), then the shard is written and `on_written` is called.
+    raise there writes nothing), then the shard is written and `on_written` is called with its sha256.
     """
 
     def __init__(self, max_pending: int = 2, workers: int = 1):
@@ -268,9 +326,9 @@ class BackgroundShardWriter:
                         ready.synchronize()
                     if check is not None:
                         check(samples)
-                    write_shard(path, samples, dtype, metadata)
+                    sha256 = write_shard(path, samples, dtype, metadata)
                     if on_written is not None:
-                        on_written(path, samples)
+                        on_written(path, samples, sha256)
             except BaseException as exc:
                 self._error = exc
             finally:
@@ -290,7 +348,7 @@ class BackgroundShardWriter:
         metadata: dict[str, str],
         ready: object | None = None,
         check: Callable[[list[SampleStates]], None] | None = None,
-        on_written: Callable[[Path, list[SampleStates]], None] | None = None,
+        on_written: Callable[[Path, list[SampleStates], str], None] | None = None,
     ) -> None:
         self._raise_pending_error()
         self._queue.put((path, samples, dtype, metadata, ready, check, on_written))

@@ -144,7 +144,8 @@ def test_storage_bytes_per_token_match_a_written_fp8_shard(kimi, tmp_path):
     tokens = 64
     states = SampleStates("s0", torch.arange(tokens), torch.ones(tokens), torch.randn(tokens, 3, HIDDEN),
                           torch.randn(tokens, HIDDEN))  # fmt: skip
-    shard = write_shard(tmp_path / "shard.safetensors", [states], "fp8", {})
+    shard = tmp_path / "shard.safetensors"
+    write_shard(shard, [states], "fp8", {})
     header = 8 + int.from_bytes(shard.read_bytes()[:8], "little")
     offsets = 2 * 8
     assert shard.stat().st_size - header - offsets == tokens * per_token

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from eagle3_core.extraction.storage import (
     FP8_MAX_RELATIVE_ERROR,
@@ -22,6 +23,7 @@ from eagle3_core.extraction.storage import (
     read_shard_metadata,
     write_shard,
 )
+from eagle3_core.files import sha256_file
 
 H = 32
 
@@ -47,7 +49,8 @@ def shard_sample_ids(path: Path) -> list[str]:
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_shard_round_trip_keeps_every_sample(tmp_path, dtype):
     samples = [sample("a", 5, 0), sample("b", 9, 1), sample("c", 1, 2)]
-    path = write_shard(tmp_path / "shard-00000.safetensors", samples, dtype, {"plan_key": "k"})
+    path = tmp_path / "shard-00000.safetensors"
+    assert write_shard(path, samples, dtype, {"plan_key": "k"}) == sha256_file(path)
     assert shard_sample_ids(path) == ["a", "b", "c"]
     tolerance = 1e-2 if dtype == "bf16" else FP8_MAX_RELATIVE_ERROR
     with safe_open(str(path), framework="pt") as f:
@@ -71,8 +74,9 @@ def test_fp8_stays_within_stated_error_of_bf16_and_halves_the_disk(tmp_path):
     rel = (back - states).norm(dim=-1) / states.norm(dim=-1)
     assert rel.max() < FP8_MAX_RELATIVE_ERROR
     assert torch.nn.functional.cosine_similarity(back, states, dim=-1).min() > 0.999
-    bf16 = write_shard(tmp_path / "bf16.safetensors", [sample("a", 256, 3)], "bf16", {})
-    fp8 = write_shard(tmp_path / "fp8.safetensors", [sample("a", 256, 3)], "fp8", {})
+    bf16, fp8 = tmp_path / "bf16.safetensors", tmp_path / "fp8.safetensors"
+    write_shard(bf16, [sample("a", 256, 3)], "bf16", {})
+    write_shard(fp8, [sample("a", 256, 3)], "fp8", {})
     assert fp8.stat().st_size < 0.6 * bf16.stat().st_size
     assert bytes_per_token(4096, "fp8") < 0.51 * bytes_per_token(4096, "bf16")
 
@@ -107,8 +111,9 @@ def test_states_quantised_by_the_backend_are_stored_as_they_are(tmp_path):
     aux_q, aux_s = quantize_fp8(source.aux)
     last_q, last_s = quantize_fp8(source.last)
     pre = SampleStates("a", source.input_ids, source.loss_mask, aux_q, last_q, aux_scale=aux_s, last_scale=last_s)
-    written = write_shard(tmp_path / "pre.safetensors", [pre], "fp8", {})
-    reference = write_shard(tmp_path / "ref.safetensors", [source], "fp8", {})
+    written, reference = tmp_path / "pre.safetensors", tmp_path / "ref.safetensors"
+    write_shard(written, [pre], "fp8", {})
+    write_shard(reference, [source], "fp8", {})
     with safe_open(str(written), framework="pt") as f, safe_open(str(reference), framework="pt") as g:
         for name in ("aux", "aux_scale", "last", "last_scale"):
             assert torch.equal(f.get_tensor(name).float(), g.get_tensor(name).float()), name
@@ -126,3 +131,33 @@ def test_nan_is_caught_through_fp8_scales_and_backend_flags():
     flagged.finite = torch.tensor([True, True, False, True, True])
     with pytest.raises(ShardError, match="NaN or Inf"):
         check_sample(flagged, flagged.input_ids, H)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_a_shard_is_the_concatenation_safetensors_itself_reads(tmp_path, dtype):
+    """The shard is streamed sample by sample: safetensors' own loader must find every tensor equal to the
+    samples' rows concatenated, odd lengths (unaligned int8 and int64 boundaries) included."""
+    samples = [sample("a", 3, 6), sample("b", 7, 7), sample("c", 2, 8)]
+    path = tmp_path / "s.safetensors"
+    write_shard(path, samples, dtype, {})
+    tensors = load_file(path)
+    assert torch.equal(tensors["input_ids"], torch.cat([s.input_ids for s in samples]))
+    assert torch.equal(tensors["loss_mask"], torch.cat([s.loss_mask for s in samples]))
+    assert tensors["offsets"].tolist() == [0, 3, 10, 12]
+    for name in ("aux", "last"):
+        rows = torch.cat([getattr(s, name) for s in samples])
+        if dtype == "bf16":
+            assert torch.equal(tensors[name], rows.to(torch.bfloat16)), name
+        else:
+            q, scale = quantize_fp8(rows)
+            assert torch.equal(tensors[name].float(), q.float()) and torch.equal(tensors[f"{name}_scale"], scale), name
+
+
+def test_finite_states_whose_sum_overflows_pass_the_check_and_an_inf_does_not():
+    """The finite check sums first: an overflowing sum of finite states must not read as NaN/Inf."""
+    big = sample("a", 4, 9)
+    big.aux.fill_(3e38)  # finite, but their float32 sum is inf
+    check_sample(big, big.input_ids, H)
+    big.last[1, 2] = float("-inf")
+    with pytest.raises(ShardError, match="NaN or Inf"):
+        check_sample(big, big.input_ids, H)
