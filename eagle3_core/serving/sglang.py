@@ -18,7 +18,7 @@ from typing import Any
 
 from eagle3_core.config import ServerConfig
 from eagle3_core.gpus import has_cuda_gpus
-from eagle3_core.serving.lifecycle import EngineServer
+from eagle3_core.serving.lifecycle import EngineServer, free_port
 
 LOAD_END = re.compile(r"Load weight end\. elapsed=(?P<seconds>[\d.]+) s")
 
@@ -75,7 +75,11 @@ class SglangServer(EngineServer):
         return sglang_command(self.config, self.launch, self.model_dir, self.port, self.extra_args)
 
     def environment(self) -> dict[str, str]:
-        return sglang_env(self.launch)
+        """`sglang_env`, and a free port of its own for SGLang's gRPC server unless the launch sets one:
+        SGLang 0.5.14 takes `--port` + 10000 and refuses to start past 65535, so any port above 55535 the
+        system hands out failed the start ("SGLANG_GRPC_PORT (67603) must be between 1 and 65535", found on
+        the H200)."""
+        return {"SGLANG_GRPC_PORT": str(free_port(self.config.host)), **sglang_env(self.launch)}
 
     def on_log_line(self, line: str) -> None:
         if self.load_seconds is None:  # the target's load; the draft's comes after

@@ -9,6 +9,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.events import ENGINE_START, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.extraction.reader import HiddenStateDataset
+from eagle3_core.serving.vllm_plugin import CPU_FORK
 from tests.helpers.extraction_fixtures import build_sample_set, layer_cosines
 
 pytestmark = pytest.mark.slow
@@ -32,9 +33,13 @@ def sample_set(tmp_path_factory, smollm2_target):
 
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory, sample_set, smollm2_target):
+    """The extraction's own server, started as vLLM's CPU platform starts it (spawned engine processes): the
+    suite's other engines fork theirs (tests/conftest.py)."""
     run_dir = tmp_path_factory.mktemp("vllm")
     events = RunEvents(run_dir)
-    hidden = extract_hidden_states(make_config(run_dir, "vllm"), sample_set, smollm2_target, events)
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv(CPU_FORK, raising=False)
+        hidden = extract_hidden_states(make_config(run_dir, "vllm"), sample_set, smollm2_target, events)
     return hidden, events
 
 

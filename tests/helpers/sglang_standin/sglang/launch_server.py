@@ -9,6 +9,7 @@ carries `spec_verify_ct` and `spec_correct_drafts_histogram` (`histogram`). A ch
 SGLang's scheduler. Environment: SGLANG_STANDIN_DEPART_EVERY=M (with the draft, prompts whose fingerprint is
 a multiple of M take another token at DEPART_AT; the plain run's top-2 gap there is a near-tie where it is a
 multiple of 2M), SGLANG_STANDIN_FAIL=1 (every `/generate` answers 500; `plain`: only a server without a draft's).
+Like SGLang, it refuses to start where its gRPC port (SGLANG_GRPC_PORT, else `--port` + 10000) passes 65535.
 """
 
 from __future__ import annotations
@@ -141,8 +142,17 @@ def handler(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def check_grpc_port(args: argparse.Namespace) -> None:
+    """SGLang 0.5.14's rule (`server_args.py`): its gRPC port is SGLANG_GRPC_PORT, else `--port` + 10000, and
+    it refuses to start outside 1..65535."""
+    grpc_port = int(os.environ.get("SGLANG_GRPC_PORT") or args.port + 10000)
+    if not 1 <= grpc_port <= 65535:
+        raise ValueError(f"SGLANG_GRPC_PORT ({grpc_port}) must be between 1 and 65535")
+
+
 def main() -> None:
     args = parse_args(sys.argv[1:])
+    check_grpc_port(args)
     scheduler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     print(f"scheduler pid {scheduler.pid}", flush=True)
     print("Load weight end. elapsed=0.25 s, type=LlamaForCausalLM, avail mem=0.00 GB", flush=True)

@@ -6,6 +6,7 @@ the report and events, keys tell the engines apart without moving vLLM's, and no
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 
 import psutil
@@ -133,6 +134,24 @@ def test_a_cut_after_the_draft_pass_resumes_with_only_the_plain_server(tiny_llam
     assert any(e["event"] == RESUME and "only plain greedy is left" in e["message"] for e in after)
     assert result["sets"]["all"]["acceptance"] == fresh["sets"]["all"]["acceptance"]
     assert result["sets"]["all"]["identical_outputs"] == fresh["sets"]["all"]["identical_outputs"]
+    assert_all_stopped(tmp_path)
+
+
+def free_port_above(lowest: int) -> int:
+    for port in range(lowest, 65536):
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) != 0:
+                return port
+    raise RuntimeError(f"no free port above {lowest}")
+
+
+def test_a_server_on_a_port_above_55535_starts(tiny_llama: TargetModel, tmp_path: Path) -> None:
+    """SGLang 0.5.14 puts its gRPC server on `--port` + 10000 unless SGLANG_GRPC_PORT is set, and refuses to
+    start past 65535 (the stand-in too): the H200's run drew port 57603 and its server died starting."""
+    config = make_config(tmp_path)
+    config.server = config.server.model_copy(update={"port": free_port_above(55536)})
+    result = measure_sglang(Measurement(config, tiny_llama.root_path, tmp_path / "draft", PROMPTS, RunEvents(tmp_path)))
+    assert result["sets"]["all"]["acceptance"]["drafts"] > 0
     assert_all_stopped(tmp_path)
 
 
