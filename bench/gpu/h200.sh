@@ -19,6 +19,8 @@
 #                                   (STAGES=samples,training,served,sglang adds the last, off by default)
 #   bash bench/gpu/h200.sh sglang   (after run/finish, SGLang staged) `eagle3 evaluate` of the run's draft with
 #                                   evaluation.engine=sglang, measurement (b) alone, in a run folder of its own
+#   bash bench/gpu/h200.sh both     (SGLang staged) the flow, and `sglang`'s evaluation beside it on the same
+#                                   GPU as soon as the draft is exported: vLLM's and SGLang's (b) in one call
 # Each step ends by $CALL_S (default 570) seconds after it started; a cut flow resumes in the next step.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -72,6 +74,23 @@ backends() {  # which attention, MoE and quantization kernels vLLM chose, per se
       grep -vE "DEBUG|Avg prompt throughput|Avg Draft|SpecDecoding metrics" | sed -E 's/^.*(INFO|WARNING|ERROR)/\1/' |
       cut -c1-400 | sort | uniq -c | sort -rn | head -40
   done
+}
+
+sglang_evaluate() {  # `eagle3 evaluate` of $T/run's draft with evaluation.engine=sglang, in $T/run-sglang; $@: more --set
+  local site
+  site=$(python3 -m bench.gpu.device site --engine sglang)
+  mkdir -p "$T/run-sglang" && ln -sfn "$T/run/samples" "$T/run-sglang/samples"
+  # SGLang's own site first on its PYTHONPATH; triton attention and PyTorch sampling (the staged kernels have
+  # no FlashAttention, no flashinfer); no CUDA graphs and 16 prompts a set, what fits one call (EXTRA_SETS wins).
+  timed timeout -s TERM -k 20 $((END - SECONDS - 30)) python3 -m cli evaluate -c $CONFIG --draft "$T/run/draft" \
+    "${SETS[@]}" --set "run_dir=$T/run-sglang" --set evaluation.engine=sglang \
+    --set evaluation.with_transformers=false --set server.enforce_eager=true --set evaluation.max_prompts=16 \
+    --set "evaluation.sglang_env={\"PYTHONPATH\": \"$site:$PYTHONPATH\"}" \
+    --set "evaluation.sglang_args=[--attention-backend, triton, --sampling-backend, pytorch]" "$@" "${EXTRA[@]}" \
+    2>&1 | grep -v " | DEBUG" | tail -40
+  cp -r "$T/run-sglang/eval" "$OUT/sglang-eval" 2>/dev/null
+  cp "$T/run-sglang/events.jsonl" "$OUT/sglang-events.jsonl" 2>/dev/null
+  tail -n 80 "$T"/run-sglang/server/evaluation*.log >"$OUT/sglang-server-log-tails.txt" 2>/dev/null
 }
 
 case ${1:-} in
@@ -147,22 +166,28 @@ case ${1:-} in
   sglang)
     timed python3 -m bench.gpu.device install || exit 1
     timed python3 -m bench.gpu.device install --engine sglang || exit 1
-    SITE=$(python3 -m bench.gpu.device site --engine sglang)
-    mkdir -p "$T/run-sglang" && ln -sfn "$T/run/samples" "$T/run-sglang/samples"
-    # SGLang's own site first on its PYTHONPATH; triton attention and PyTorch sampling (the staged kernels have
-    # no FlashAttention, no flashinfer); no CUDA graphs and 16 prompts a set, what fits one call (EXTRA_SETS wins).
-    timed timeout -s TERM -k 20 $((END - SECONDS - 30)) python3 -m cli evaluate -c $CONFIG --draft "$T/run/draft" \
-      "${SETS[@]}" --set "run_dir=$T/run-sglang" --set evaluation.engine=sglang \
-      --set evaluation.with_transformers=false --set server.enforce_eager=true --set evaluation.max_prompts=16 \
-      --set "evaluation.sglang_env={\"PYTHONPATH\": \"$SITE:$PYTHONPATH\"}" \
-      --set "evaluation.sglang_args=[--attention-backend, triton, --sampling-backend, pytorch]" "${EXTRA[@]}" \
-      2>&1 | grep -v " | DEBUG" | tail -40
-    cp -r "$T/run-sglang/eval" "$OUT/sglang-eval" 2>/dev/null
-    cp "$T/run-sglang/events.jsonl" "$OUT/sglang-events.jsonl" 2>/dev/null
-    tail -n 80 "$T"/run-sglang/server/evaluation*.log >"$OUT/sglang-server-log-tails.txt" 2>/dev/null
+    sglang_evaluate
+    ;;
+  both)
+    # The flow and SGLang's measurement (b) of its draft in one call (sixth session: `run`, `finish` and `sglang`
+    # in turn did not fit what was left of the budget): the flow on one server shared by sampling and extraction,
+    # vLLM's KV cache given in bytes (its start-up profiling counts another process's GPU memory as its own), and
+    # SGLang started beside it with 0.3 of the GPU as soon as the draft is exported.
+    timed python3 -m bench.gpu.device install || exit 1
+    timed python3 -m bench.gpu.device install --engine sglang || exit 1
+    SETS+=(--set "extraction.reuse_sampling_server='on'" --set evaluation.with_transformers=false
+      --set 'server.extra_args=["--max-num-seqs", "64", "--kv-cache-memory-bytes", "17179869184"]')
+    flow run1 &
+    until grep -q '"phase": "evaluation"' "$T/run/events.jsonl" 2>/dev/null; do
+      [ $SECONDS -lt $((END - 120)) ] || break
+      sleep 2
+    done
+    sglang_evaluate --set server.gpu_memory_utilization=0.3 --set 'server.extra_args=[]'
+    wait
+    collect
     ;;
   *)
-    echo "usage: bash bench/gpu/h200.sh stash|run|finish|kimi|limit|quality|sglang" >&2
+    echo "usage: bash bench/gpu/h200.sh stash|run|finish|kimi|limit|quality|sglang|both" >&2
     exit 2
     ;;
 esac
