@@ -126,6 +126,22 @@ def measured(summary: dict[str, Any], engine: str, name: str) -> dict[str, Any]:
     return ((summary.get(engine) or {}).get("sets") or {}).get(name, {})
 
 
+def methods(summary: dict[str, Any]) -> str:
+    """What (a) and (b) were, or why one of them was not run."""
+    hf, served = summary["transformers"], summary.get("vllm") or {}
+    a = (
+        f"(a) not run ({hf['skipped']})"
+        if hf.get("skipped")
+        else f"(a) chain speculative decoding in transformers ({hf['dtype']}), run at k = {hf['k']}"
+    )
+    b = (
+        f"(b) not run ({served['skipped']})"
+        if served.get("skipped")
+        else f"(b) {served_label(summary)}, served with the draft as its EAGLE-3 speculator at k = {summary['k']}"
+    )
+    return f"{a}; {b}."
+
+
 def markdown_report(summary: dict[str, Any]) -> str:
     """The report as markdown, from the evaluation summary (see `evaluate_draft`)."""
     hf, k, names = summary["transformers"], summary["k"], set_names(summary)
@@ -133,9 +149,7 @@ def markdown_report(summary: dict[str, Any]) -> str:
         f"# EAGLE-3 draft evaluation: {summary['draft']}",
         "",
         f"Target `{summary['target']}`; k = {k} draft tokens per step; greedy; "
-        f"{summary['max_new_tokens']} new tokens per prompt. (a) chain speculative decoding in transformers "
-        f"({hf['dtype']}), run at k = {hf['k']}; (b) {served_label(summary)}, served with the draft as its EAGLE-3 "
-        f"speculator at k = {k}.",
+        f"{summary['max_new_tokens']} new tokens per prompt. {methods(summary)}",
         "",
         *guard_lines(summary),
         "",

@@ -66,6 +66,8 @@ def test_report_with_vllm_only(tmp_path: Path) -> None:
     text = markdown.read_text()
     assert f"| humaneval | — | — | — | {1 + 13 / 12:.3f} | 1.25 | 0.90 |" in text
     assert "(a) not measured: with_transformers is false" in text and "τ by k" not in text
+    assert "(a) not run (with_transformers is false); (b) vLLM, served with the draft" in text
+    assert "chain speculative decoding in transformers" not in text
     assert png.stat().st_size > 10_000
 
 
