@@ -1,6 +1,6 @@
 """The vLLM platform plugin this package registers (entry point `vllm.platform_plugins`, pyproject.toml).
 
-vLLM loads it in every process of every vLLM in this environment, so it imports nothing of vLLM itself and
+vLLM loads it in every process of every vLLM in this environment, so it imports nothing of vLLM until asked and
 stays inactive unless CPU_FORK is "1" on a CPU host: then the platform is `forked_cpu.ForkedCpuPlatform`."""
 
 from __future__ import annotations
