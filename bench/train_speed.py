@@ -17,6 +17,7 @@ import argparse
 import json
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -466,7 +467,11 @@ def main_ddp(args) -> None:
     shapes = ((2048, 7), (4096, 3))
     # 5 warm-up steps: DDP rebuilds its buckets after the first iteration.
     kernel = args.loss_kernel
-    report["runs"] = [measure(length, ttt, True, 5, args.iters, group, loss_kernel=kernel) for length, ttt in shapes]
+    report["runs"] = [
+        measure(length, ttt, True, 5, args.iters, group, loss_kernel=kernel, optimizer_name=optimizer)
+        for optimizer in args.optimizers.split(",")
+        for length, ttt in shapes
+    ]
     if args.plain_ddp:
         report["runs"] += [
             measure(length, ttt, True, 5, args.iters, group, plain_ddp=True, loss_kernel=kernel)
@@ -482,9 +487,11 @@ def main_ddp(args) -> None:
     if args.compare:
         with open(args.compare) as f:
             runs = json.load(f)["runs"]
-            single = {(r["seq"], r["ttt"]): r for r in runs if r["compiled"] and r["loss_kernel"] == kernel}
+            single = {
+                (r["seq"], r["ttt"], r["optimizer"]): r for r in runs if r["compiled"] and r["loss_kernel"] == kernel
+            }
     for run in report["runs"]:
-        one = single.get((run["seq"], run["ttt"]))
+        one = single.get((run["seq"], run["ttt"], run["optimizer"]))
         if one:
             run["one_gpu_tokens_per_s"] = one["tokens_per_s"]
             run["speedup_vs_one_gpu"] = run["tokens_per_s"] / one["tokens_per_s"]
@@ -494,40 +501,18 @@ def main_ddp(args) -> None:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
     print(f"\n{group.world} x {report['device']}, torch {report['torch']}, DDP")
-    print("seq  ttt  variant        ms/step    tok/s  peak GiB  x one GPU  per-GPU efficiency (goal 0.90)")
+    print("seq  ttt  optimizer variant        ms/step    tok/s  peak GiB  x one GPU  per-GPU efficiency (goal 0.90)")
     for r in report["runs"]:
         variant = "plain DDP" if r["plain_ddp"] else "bf16 reduce" if r["bf16_reduce"] else "early sync"
         print(
-            f"{r['seq']:>4} {r['ttt']:>4}  {variant:<12} {r['ms_per_step']:8.1f} {r['tokens_per_s']:9,.0f}"
+            f"{r['seq']:>4} {r['ttt']:>4}  {r['optimizer']:<9} {variant:<12} {r['ms_per_step']:8.1f}"
+            f" {r['tokens_per_s']:9,.0f}"
             f" {r['peak_gib']:8.1f} {r.get('speedup_vs_one_gpu', 0):9.2f} {r.get('per_gpu_efficiency', 0):8.3f}"
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="Write the results as JSON here.")
-    parser.add_argument("--budget-s", type=float, default=420, help="Skip remaining variants after this.")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--ddp", action="store_true", help="Data parallel under torchrun (compiled runs only).")
-    parser.add_argument("--compare", default=None, help="--ddp: one-GPU JSON of this script, for efficiency.")
-    parser.add_argument("--eager", action="store_true", help="Also run the uncompiled variants.")
-    parser.add_argument("--no-profile", action="store_true", help="Skip the profiled steps.")
-    parser.add_argument("--inductor-loss", action="store_true", help="Also time the inductor soft-CE rows.")
-    parser.add_argument("--bf16-reduce", action="store_true", help="--ddp: also time bf16 gradient all-reduce.")
-    parser.add_argument("--plain-ddp", action="store_true", help="--ddp: also time DDP without the early sync.")
-    parser.add_argument("--optimizers", default="adamw", help="Comma-separated: adamw, muon (one-GPU runs).")
-    parser.add_argument("--profile-optimizer", default="adamw", choices=["adamw", "muon"], help="Of the profiles.")
-    parser.add_argument("--loss-kernel", default="triton", choices=["triton", "inductor"], help="--ddp: soft-CE rows.")
-    parser.add_argument("--no-defer", action="store_true", help="Also time autograd's sum of the step gradients.")
-    parser.add_argument("--attentions", default="auto", help="Comma-separated TTT attentions: auto, flash, flex.")
-    parser.add_argument("--shape", default="llama8b", choices=sorted(SHAPES), help="Draft shape of the one-GPU runs.")
-    args = parser.parse_args()
-    if args.ddp:
-        main_ddp(args)
-        return
-    start = time.monotonic()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
-    report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "runs": []}
+def run_checks(report: dict, optimizers: str) -> None:
+    """The kernels' agreement with their references and their timings alone, into `report`."""
     report["attention_errors"] = check_attention(torch.device("cuda"))
     report["attention_errors_kimi_heads"] = check_attention(torch.device("cuda"), 8, 8, 112)  # G = 1, D = 112
     for name in ("attention_errors", "attention_errors_kimi_heads"):
@@ -542,11 +527,42 @@ def main() -> None:
         print(f"soft-CE rows, Triton kernel vs torch reference and timing: {json.dumps(report['soft_ce_kernel'])}")
     except Exception:  # reported; the inductor variants (--inductor-loss) still run
         print(f"FAILED soft-CE kernel check:\n{traceback.format_exc()}", flush=True)
-    if "muon" in args.optimizers:
+    if "muon" in optimizers:
         report["muon_step"] = check_muon(torch.device("cuda"))
         print(f"Muon step on the draft's matrices, ours vs torch.optim.Muon: {json.dumps(report['muon_step'])}")
         report["gram_newton_schulz"] = check_gram_newton_schulz(torch.device("cuda"))
         print(f"Newton-Schulz through the Gram matrix: {json.dumps(report['gram_newton_schulz'])}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="Write the results as JSON here.")
+    parser.add_argument("--budget-s", type=float, default=420, help="Skip variants after this many s of them.")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--ddp", action="store_true", help="Data parallel under torchrun (compiled runs only).")
+    parser.add_argument("--compare", default=None, help="--ddp: one-GPU JSON of this script, for efficiency.")
+    parser.add_argument("--eager", action="store_true", help="Also run the uncompiled variants.")
+    parser.add_argument("--no-profile", action="store_true", help="Skip the profiled steps.")
+    parser.add_argument("--skip-checks", action="store_true", help="Skip the kernel checks before the variants.")
+    parser.add_argument("--inductor-loss", action="store_true", help="Also time the inductor soft-CE rows.")
+    parser.add_argument("--bf16-reduce", action="store_true", help="--ddp: also time bf16 gradient all-reduce.")
+    parser.add_argument("--plain-ddp", action="store_true", help="--ddp: also time DDP without the early sync.")
+    parser.add_argument("--optimizers", default="adamw", help="Comma-separated: adamw, muon (--ddp: early sync).")
+    parser.add_argument("--profile-optimizer", default="adamw", choices=["adamw", "muon"], help="Of the profiles.")
+    parser.add_argument("--loss-kernel", default="triton", choices=["triton", "inductor"], help="--ddp: soft-CE rows.")
+    parser.add_argument("--no-defer", action="store_true", help="Also time autograd's sum of the step gradients.")
+    parser.add_argument("--attentions", default="auto", help="Comma-separated TTT attentions: auto, flash, flex.")
+    parser.add_argument("--shape", default="llama8b", choices=sorted(SHAPES), help="Draft shape of the one-GPU runs.")
+    args = parser.parse_args()
+    if args.compare and not Path(args.compare).is_file():  # read only after every DDP run otherwise
+        parser.error(f"--compare {args.compare}: no such file (the one-GPU run wrote no results)")
+    if args.ddp:
+        main_ddp(args)
+        return
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "runs": []}
+    if not args.skip_checks:
+        run_checks(report, args.optimizers)
     attentions = args.attentions.split(",")
     plan: list[tuple] = [
         (s, t, True, "triton", o, a)
@@ -558,6 +574,7 @@ def main() -> None:
     plan += [(s, t, True, "triton", "adamw", "auto", False) for s, t in ((2048, 7), (4096, 3)) if args.no_defer]
     plan += [] if args.no_profile else [(2048, 7, args.profile_optimizer), (4096, 3, args.profile_optimizer)]
     plan += [(s, t, False, "torch", "adamw", "auto") for s, t in ((2048, 7), (4096, 3)) if args.eager]
+    start = time.monotonic()  # the budget is the variants': the checks above always run
     for entry in plan:
         if time.monotonic() - start > args.budget_s:
             print(f"skipped {entry}: time budget", flush=True)

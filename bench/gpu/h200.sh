@@ -21,6 +21,13 @@
 #                                   evaluation.engine=sglang, measurement (b) alone, in a run folder of its own
 #   bash bench/gpu/h200.sh both     (SGLang staged) the flow, and `sglang`'s evaluation beside it on the same
 #                                   GPU as soon as the draft is exported: vLLM's and SGLang's (b) in one call
+# On nvidia-h200-x2 (issue 29; staged with --moe):
+#   bash bench/gpu/h200.sh pair       DDP throughput (one GPU, then both), then the SmolLM2 flow's training on
+#                                     both GPUs (training.processes auto) against two hand-run `torchrun
+#                                     --nproc-per-node 2 eagle3 train`, and a SIGKILL of `eagle3 run` mid-training
+#   bash bench/gpu/h200.sh pair-kimi  the Kimi-shaped target's flow with vLLM at tensor parallelism 2, then its
+#                                     samples extracted at tensor parallelism 1 (cosines against 2); repeat it to
+#                                     resume a cut flow
 # Each step ends by $CALL_S (default 570) seconds after it started; a cut flow resumes in the next step.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -38,9 +45,20 @@ timed() {
   local start=$SECONDS
   "$@"
   local rc=$?
-  echo "[h200.sh] $* -> rc $rc in $((SECONDS - start)) s" | tee -a "$OUT/steps.log"
+  echo "[h200.sh] $* -> rc $rc in $((SECONDS - start)) s" | tee -a "$OUT/steps.log" >&2  # not in captured output
   return $rc
 }
+
+WATCH=
+on_exit() {  # the GPU watcher stops (it would hold the step's output open); the device tool returns at most 8
+  # files, so more are packed into out.tgz beside steps.log
+  [ -z "$WATCH" ] || kill "$WATCH" 2>/dev/null
+  if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+    tar -czf "$T/out.tgz" -C "$OUT" --exclude ./steps.log . && find "$OUT" -type f ! -name steps.log -delete &&
+      mv "$T/out.tgz" "$OUT/"
+  fi
+}
+trap on_exit EXIT
 
 flow() {  # the whole flow until 60 s before the step's end; SIGTERM makes it stop its engines (Crashed)
   timed timeout -s TERM -k 20 $((END - SECONDS - 60)) python3 -m cli run -c $CONFIG "${SETS[@]}" 2>&1 | tee "$OUT/$1.log" | grep -v " | DEBUG"
@@ -50,7 +68,7 @@ collect() {
   local run=$T/run
   cp "$run/events.jsonl" "$OUT/" 2>/dev/null
   tar -czf "$OUT/run.tgz" -C "$run" --ignore-failed-read eval server samples/sample_set.json \
-    hidden_states/hidden_state_set.json draft/curves.jsonl draft/draft_checkpoint.json 2>/dev/null
+    hidden_states/hidden_state_set.json draft/curves.jsonl draft/draft_checkpoint.json draft/launch 2>/dev/null
   nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$OUT/steps.log"
 }
 
@@ -91,6 +109,48 @@ sglang_evaluate() {  # `eagle3 evaluate` of $T/run's draft with evaluation.engin
   cp -r "$T/run-sglang/eval" "$OUT/sglang-eval" 2>/dev/null
   cp "$T/run-sglang/events.jsonl" "$OUT/sglang-events.jsonl" 2>/dev/null
   tail -n 80 "$T"/run-sglang/server/evaluation*.log >"$OUT/sglang-server-log-tails.txt" 2>/dev/null
+}
+
+eagle3_on_path() {  # training.processes > 1 launches the `eagle3` command under torchrun: what pip would install
+  mkdir -p "$T/bin"
+  printf '#!%s\nfrom cli.main import app\n\napp(prog_name="eagle3")\n' "$(command -v python3)" >"$T/bin/eagle3"
+  chmod +x "$T/bin/eagle3"
+  export PATH=$T/bin:$PATH
+}
+
+gpu_watch() {  # every GPU's load and memory every 2 s into $OUT/gpus.csv, in the background
+  nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,noheader -l 2 >>"$OUT/gpus.csv" &
+  WATCH=$!
+}
+
+extract_tp1() {  # $1 run folder, $2 output name, $@: more --set; the run's samples extracted again at tensor
+  # parallelism 1, cosines against the run's
+  local run=$1 name=$2
+  shift 2
+  timed timeout -s TERM -k 20 $((END - SECONDS - 20)) python3 -m cli extract -c $CONFIG \
+    "${SETS[@]}" --set "run_dir=$run-tp1" --samples "$run/samples" --set server.tensor_parallel_size=1 "$@" \
+    2>&1 | grep -v " | DEBUG" | tail -5
+  timed python3 -m bench.gpu.compare_extraction "$run/hidden_states" "$run-tp1/hidden_states" | tee "$OUT/$name"
+}
+
+ranks() {  # processes of `eagle3 train` that are not torchrun's agent
+  ps -eo args | grep "eagle3 train" | grep -v grep | grep -vc torch.distributed.run
+}
+
+killed_mid_training() {  # `eagle3 run` again with another training seed (sampling and extraction Cached), SIGKILLed
+  # once both ranks train; then every process of it that is left, and what holds GPU memory
+  python3 -m cli run -c $CONFIG "${SETS[@]}" --set training.seed=7 >"$OUT/killed.log" 2>&1 &
+  local flow=$! waited=0
+  until [ "$(ranks)" -ge 2 ] || [ $waited -ge 240 ]; do sleep 1; waited=$((waited + 1)); done
+  sleep 20  # past compile, into the steps
+  ps -eo pid,ppid,etimes,args | grep -E "eagle3 train|torch.distributed.run|cli run" | grep -v grep >"$OUT/killed-before.txt"
+  kill -9 $flow
+  sleep 15
+  ps -eo pid,ppid,etimes,args | grep -E "eagle3 train|torch.distributed.run|cli run|prefect" | grep -v grep \
+    >"$OUT/killed-after.txt"
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv >>"$OUT/killed-after.txt"
+  echo "[h200.sh] SIGKILL of the flow after ${waited} s waiting for 2 ranks: $(wc -l <"$OUT/killed-before.txt") processes" \
+    "before, $(grep -cE 'eagle3 train|torch.distributed.run' "$OUT/killed-after.txt") ranks or agents after" | tee -a "$OUT/steps.log"
 }
 
 case ${1:-} in
@@ -186,8 +246,63 @@ case ${1:-} in
     wait
     collect
     ;;
+  pair)
+    # DDP throughput (bench/train_speed.py: one GPU, then both; compiled, both shapes), then the SmolLM2 flow with
+    # training in one process per GPU (stopped once the draft is exported; no CUDA graphs, only training is under
+    # test), two hand-run `torchrun --nproc-per-node 2 eagle3 train` of the same data (their weights against the
+    # flow's and each other's: GPU training's own spread), and a SIGKILL of `eagle3 run` mid-training.
+    timed python3 -m bench.gpu.device install || exit 1
+    eagle3_on_path
+    optimizers=${DDP_OPTIMIZERS:-adamw,muon}
+    CUDA_VISIBLE_DEVICES=0 timed python3 bench/train_speed.py --no-profile --skip-checks --optimizers "$optimizers" \
+      --out "$OUT/single.json" --budget-s 150 >"$OUT/train-speed-single.log" 2>&1
+    timed torchrun --nproc_per_node 2 bench/train_speed.py --ddp --optimizers "$optimizers" \
+      --compare "$OUT/single.json" --out "$OUT/ddp.json" >"$OUT/train-speed-ddp.log" 2>&1
+    tail -n 8 "$OUT/train-speed-ddp.log"
+    gpu_watch
+    SETS+=(--set training.processes=auto --set "extraction.reuse_sampling_server='on'" --set server.enforce_eager=true)
+    flow run1 &
+    flowing=$!
+    until grep -q '"phase": "evaluation"' "$T/run/events.jsonl" 2>/dev/null; do
+      [ $SECONDS -lt $((END - 130)) ] || break
+      sleep 2
+    done
+    pkill -TERM -f "cli run -c $CONFIG"
+    wait $flowing
+    collect
+    for hand in run-hand run-hand2; do
+      timed timeout -s TERM -k 20 100 torchrun --standalone --nproc-per-node 2 "$T/bin/eagle3" train \
+        -c "$T/run/draft/launch/config.yaml" --set "run_dir=$T/$hand" --hidden-states "$T/run/hidden_states" \
+        --vocab "$T/run/vocab" >"$OUT/$hand.log" 2>&1
+    done
+    timed python3 -m bench.gpu.compare_drafts "$T/run/draft" "$T/run-hand/draft" >"$OUT/drafts.json"
+    timed python3 -m bench.gpu.compare_drafts "$T/run-hand/draft" "$T/run-hand2/draft" >"$OUT/drafts-hand.json"
+    killed_mid_training
+    ;;
+  pair-kimi)
+    # The Kimi-shaped target's flow with vLLM at tensor parallelism 2 (one server for sampling and extraction),
+    # the Llama-shaped draft trained in one process per GPU and served at tensor parallelism 2; then, with time
+    # left, its samples extracted at tensor parallelism 1 (cosines against 2). A cut flow resumes in the next
+    # call (its finished phases Cached).
+    timed python3 -m bench.gpu.device install || exit 1
+    eagle3_on_path
+    gpu_watch
+    tokenizer
+    random_target kimi "$T/kimi-w4a16"
+    CONFIG=configs/h200-kimi-w4a16.yaml
+    SETS=(--set "run_dir=$T/run-kimi" --set "target.model=$T/kimi-w4a16" --set server.tensor_parallel_size=2
+      --set "extraction.reuse_sampling_server='on'" "${EXTRA[@]}")
+    flow kimi-tp2
+    backends "$T/run-kimi" >"$OUT/kimi-tp2-backends.txt"
+    cp "$T/run-kimi/events.jsonl" "$OUT/kimi-events.jsonl"
+    tar -czf "$OUT/kimi-run.tgz" -C "$T/run-kimi" --ignore-failed-read server eval 2>/dev/null
+    if [ -f "$T/run-kimi/hidden_states/hidden_state_set.json" ] && [ $((END - SECONDS)) -gt 150 ]; then
+      SETS=(--set "target.model=$T/kimi-w4a16" "${EXTRA[@]}")
+      extract_tp1 "$T/run-kimi" kimi-tp-cosines.json
+    fi
+    ;;
   *)
-    echo "usage: bash bench/gpu/h200.sh stash|run|finish|kimi|limit|quality|sglang|both" >&2
+    echo "usage: bash bench/gpu/h200.sh stash|run|finish|kimi|limit|quality|sglang|both|pair|pair-kimi" >&2
     exit 2
     ;;
 esac

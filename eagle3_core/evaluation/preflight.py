@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 from eagle3_core.artifacts import TargetModel
+from eagle3_core.config import ServerConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.gpus import has_cuda_gpus
 from eagle3_core.preflight import conclude
 from eagle3_core.serving.engine import attention_backend
+from eagle3_core.target.preflight import tensor_parallel_problem
 
 
 def uses_mla(target: TargetModel) -> bool:
@@ -42,10 +44,10 @@ def amx_mla_kernel(server_args: list[str], amx_tiles: bool) -> bool:
 
 
 def preflight_evaluation(
-    target: TargetModel, draft_dir: Path, runs_vllm: bool, events: RunEvents, server_args: list[str] | None = None
+    target: TargetModel, draft_dir: Path, runs_vllm: bool, events: RunEvents, server: ServerConfig | None = None
 ) -> None:
     """`runs_vllm`: measurement (b) would start vLLM with the exported draft in `draft_dir` (see
-    `evaluation.phase.served_unavailable`), with `server_args` (`server.extra_args`)."""
+    `evaluation.phase.served_unavailable`) as `server` says (its `extra_args`, its tensor parallelism)."""
     import torch
 
     from eagle3_core.draft.export import HF_ARCHITECTURES
@@ -53,8 +55,12 @@ def preflight_evaluation(
     mla = uses_mla(target)
     draft_architectures = json.loads((draft_dir / "config.json").read_text()).get("architectures")
     mla_draft = draft_architectures == [HF_ARCHITECTURES["deepseek_mla"][0]]
-    problem = None
+    problems = []
     if runs_vllm:
-        amx = amx_mla_kernel(server_args or [], torch.cpu._is_amx_tile_supported())
-        problem = vllm_cpu_mla_problem(mla, mla_draft, has_cuda_gpus(), amx)
-    conclude("evaluation", events, {"mla": mla, "mla_draft": mla_draft, "with_vllm": runs_vllm}, [problem])
+        server = server or ServerConfig()
+        amx = amx_mla_kernel(server.extra_args, torch.cpu._is_amx_tile_supported())
+        problems += [
+            vllm_cpu_mla_problem(mla, mla_draft, has_cuda_gpus(), amx),
+            tensor_parallel_problem(target, server.tensor_parallel_size),
+        ]
+    conclude("evaluation", events, {"mla": mla, "mla_draft": mla_draft, "with_vllm": runs_vllm}, problems)

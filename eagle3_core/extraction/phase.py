@@ -39,6 +39,7 @@ from eagle3_core.phases import EXTRACTION, phase_key
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.table import iter_rows, row_heldout
+from eagle3_core.serving.shared import starts_engine
 
 PHASE = EXTRACTION.name
 DONE_SUFFIX = ".done.json"
@@ -184,7 +185,7 @@ def extract_hidden_states(
             sum(len(r["input_ids"]) for i in pending for r in shards[i])
             * bytes_per_token(target.hidden_size, config.extraction.dtype)
         )
-        preflight_extraction(config, sample_set, target, out_dir, layer_ids, needed, server is None, events)
+        preflight_extraction(config, sample_set, target, out_dir, layer_ids, needed, starts_engine(server), events)
         max_tokens = max(len(r["input_ids"]) for r in rows)
         with open_backend(config, target, layer_ids, events, progress, server, max_tokens) as backend:
             run_shards(backend, out_dir, shards, keys, pending, config.extraction, target.hidden_size, progress)

@@ -19,7 +19,7 @@ from eagle3_core.preflight import (
     port_problem,
     server_gpus_source,
 )
-from eagle3_core.target.preflight import layer_problem, target_files_problems
+from eagle3_core.target.preflight import layer_problem, target_files_problems, tensor_parallel_problem
 
 
 def sample_set_target_problems(sample_set: SampleSet, target: TargetModel) -> list[str]:
@@ -57,5 +57,5 @@ def preflight_extraction(
         gpu_check(gpus, check_busy=vllm, why=server_gpus_source(config.server) if vllm else ""),
     ]
     if starts_engine and vllm:
-        problems.append(port_problem(config.server))
+        problems += [port_problem(config.server), tensor_parallel_problem(target, config.server.tensor_parallel_size)]
     conclude("extraction", events, checks, problems)

@@ -45,7 +45,7 @@ from eagle3_core.serving.engine import (
     open_server,
     requests_in_flight,
 )
-from eagle3_core.serving.shared import SharedServer, running_server
+from eagle3_core.serving.shared import SharedServer, running_server, starts_engine
 
 PHASE = SAMPLING.name
 RESPONSE_SEED_STRIDE = 2**32  # seeds of response r > 0 lie above those of the first responses of 2**32 prompts
@@ -306,7 +306,7 @@ def sample_prompts(
     todo = wanted - store.resume(wanted)
     work = pending_work(every_prompt, todo, config.sampling.responses_per_prompt)
     if work:
-        preflight_sampling(config, target, store.out_dir, len(work), server is None, events)
+        preflight_sampling(config, target, store.out_dir, len(work), starts_engine(server), events)
         writer = store.writer(config.sampling.rows_per_part)
         counts = RowProgress(progress, len(wanted) - len(todo), len(wanted))
         try:

@@ -110,3 +110,10 @@ def running_server(server: Any, phase: str, progress: ProgressCallback = ignore_
     """The running server behind `server`: a SharedServer's (started or restarted as needed), or the
     server itself when it was handed in running."""
     return server.running(phase, progress, context) if isinstance(server, SharedServer) else server
+
+
+def starts_engine(server: Any) -> bool:
+    """Whether a phase handed `server` starts an engine before its work: with none handed in it starts its
+    own, and the first phase to use a SharedServer starts that one; so either runs the engine checks of its
+    preflight (port, free GPUs, tensor parallelism), which a server handed in running needs no more."""
+    return server is None or (isinstance(server, SharedServer) and server.server is None)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_core.artifacts import SampleSet, TargetModel
+from eagle3_core.artifacts import SampleSet, TargetModel, TargetText
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import PREFLIGHT, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction.phase import extract_hidden_states
@@ -23,7 +23,8 @@ from eagle3_core.preflight import (
     server_gpus,
     server_gpus_source,
 )
-from eagle3_core.target.preflight import layer_problem, target_files_problems
+from eagle3_core.sampling.preflight import preflight_sampling
+from eagle3_core.target.preflight import layer_problem, target_files_problems, tensor_parallel_problem
 from eagle3_core.target.prepare import describe_folder
 from eagle3_core.training.preflight import checkpoint_bytes, preflight_training
 from tests.helpers.extraction_fixtures import build_sample_set
@@ -92,6 +93,24 @@ def test_a_server_takes_tensor_times_data_parallel_gpus():
     assert problem.startswith(
         "the phase needs 8 GPU(s) (server.tensor_parallel_size 4 x data_parallel_size 2), 4 visible"
     )
+
+
+def test_a_tensor_parallel_size_that_does_not_split_the_heads_is_refused_before_the_engine_starts(
+    tmp_path, smollm2_target
+):
+    """Seen on two H200s: SmolLM2-135M (9 heads, 3 KV heads) at tensor parallelism 2 made vLLM exit after its
+    workers were up, once per try; the sampling preflight now refuses it, naming the field and the heads."""
+    config = PipelineConfig(run_dir=tmp_path, server={"tensor_parallel_size": 2})
+    events = RunEvents(tmp_path)
+    with pytest.raises(PreflightError, match=r"server.tensor_parallel_size 2 does not divide .*'s 9 attention heads"):
+        preflight_sampling(config, smollm2_target, tmp_path, 10, True, events)
+    assert events.count(WEIGHT_LOAD) == 0
+    assert tensor_parallel_problem(smollm2_target, 3) is None  # 9 heads and 3 KV heads over 3 ranks
+    assert tensor_parallel_problem(smollm2_target, 9) is None  # 1 head each; each KV head on 3 ranks
+    grouped = smollm2_target.model_copy(update={"text": TargetText(num_attention_heads=8, num_key_value_heads=3)})
+    assert "3 KV heads" in tensor_parallel_problem(grouped, 2)
+    mla = smollm2_target.model_copy(update={"text": TargetText(num_attention_heads=8, kv_lora_rank=512)})
+    assert tensor_parallel_problem(mla, 2) is None
 
 
 def test_checkpoint_estimate_grows_with_kept_states():

@@ -256,7 +256,11 @@ def test_each_response_is_a_row_with_its_own_seed_and_more_responses_sample_only
     one = PipelineConfig(run_dir=tmp_path / "run", sampling=fields, server={"engine": "external"})
     first = sampling.sample_prompts(one, smollm2_target, RunEvents(one.run_dir), server=scripted)
     # The id of a prompt without one (a hash of its messages), as sampling has always written it.
-    assert [(r["id"], r["response"]) for r in iter_rows(first)] == [("3c558d6a6b2a0df0", "seed 10"), ("p1", "seed 11")]
+    # Rows are written as the concurrent requests finish, in no promised order.
+    assert sorted((r["id"], r["response"]) for r in iter_rows(first)) == [
+        ("3c558d6a6b2a0df0", "seed 10"),
+        ("p1", "seed 11"),
+    ]
     assert first.responses_per_prompt == 1 and "responses_per_prompt" not in first.config["sampling"]
 
     two = one.model_copy(update={"sampling": one.sampling.model_copy(update={"responses_per_prompt": 2})})

@@ -13,8 +13,10 @@ import pytest
 from vllm import SamplingParams
 
 from eagle3_core.config import ConfigError, PipelineConfig
-from eagle3_core.events import DECISION, WEIGHT_LOAD, RunEvents
+from eagle3_core.events import DECISION, PREFLIGHT, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction.connector import EXTRACT_REQUEST, HiddenStatesConnector, wants_hidden_states
+from eagle3_core.preflight import PreflightError
+from eagle3_core.sampling.phase import sample_prompts
 from eagle3_core.sampling.prompts import load_prompts
 from eagle3_core.sampling.reuse_decision import (
     estimate_reuse,
@@ -26,7 +28,7 @@ from eagle3_core.sampling.reuse_decision import (
     sampling_slowdown_s,
 )
 from eagle3_core.sampling.store import SampleStore
-from eagle3_core.serving.shared import SharedServer, running_server
+from eagle3_core.serving.shared import SharedServer, running_server, starts_engine
 from tasks.shared_server import sampling_and_extraction_server
 
 # --- the connector writes states only for requests that ask ------------------------------------------
@@ -271,3 +273,21 @@ def test_the_flow_gets_no_shared_server_when_off_and_an_unstarted_one_when_on(tm
         assert shared.context == config.server.max_model_len + 16
     assert not list((config.run_dir / "server").glob("*.pid")), "cached phases never start it"
     assert json.loads((config.run_dir / "events.jsonl").read_text().splitlines()[-1])["event"] == DECISION
+
+
+def test_the_phase_that_starts_the_shared_server_runs_the_engine_checks(tmp_path, smollm2_target):
+    """Seen on two H200s: with reuse on, sampling's preflight said `gpus 0` and checked no engine setting, so
+    tensor parallelism 2 over SmolLM2's 9 heads failed only in vLLM, after its workers were up."""
+    recorder = Recorder()
+    config = PipelineConfig(run_dir=tmp_path / "run", sampling={"max_prompts": 2}, server={"tensor_parallel_size": 2})
+    events = RunEvents(config.run_dir)
+    shared = SharedServer(recorder.launch, 100, events, recorder.hold)
+    assert starts_engine(None) and starts_engine(shared)
+    with pytest.raises(PreflightError, match=r"server\.tensor_parallel_size 2 does not divide"):
+        sample_prompts(config, smollm2_target, events, server=shared)
+    assert recorder.launched == [], "refused before the start"
+    [line] = [e for e in events.read() if e["event"] == PREFLIGHT]
+    assert line["phase"] == "sampling" and not line["ok"]
+    shared.running("sampling")
+    assert not starts_engine(shared), "a running shared server was checked by the phase that started it"
+    assert not starts_engine(StandInServer(64)), "nor is a server handed in running"
