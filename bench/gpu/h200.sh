@@ -111,6 +111,13 @@ sglang_evaluate() {  # `eagle3 evaluate` of $T/run's draft with evaluation.engin
   tail -n 80 "$T"/run-sglang/server/evaluation*.log >"$OUT/sglang-server-log-tails.txt" 2>/dev/null
 }
 
+draft_exported() {  # wait until $T/run's flow reaches evaluation (its draft exported), or $1 s before the end
+  until grep -q '"phase": "evaluation"' "$T/run/events.jsonl" 2>/dev/null; do
+    [ $SECONDS -lt $((END - $1)) ] || break
+    sleep 2
+  done
+}
+
 eagle3_on_path() {  # training.processes > 1 launches the `eagle3` command under torchrun: what pip would install
   mkdir -p "$T/bin"
   printf '#!%s\nfrom cli.main import app\n\napp(prog_name="eagle3")\n' "$(command -v python3)" >"$T/bin/eagle3"
@@ -238,10 +245,7 @@ case ${1:-} in
     SETS+=(--set "extraction.reuse_sampling_server='on'" --set evaluation.with_transformers=false
       --set 'server.extra_args=["--max-num-seqs", "64", "--kv-cache-memory-bytes", "17179869184"]')
     flow run1 &
-    until grep -q '"phase": "evaluation"' "$T/run/events.jsonl" 2>/dev/null; do
-      [ $SECONDS -lt $((END - 120)) ] || break
-      sleep 2
-    done
+    draft_exported 120
     sglang_evaluate --set server.gpu_memory_utilization=0.3 --set 'server.extra_args=[]'
     wait
     collect
@@ -263,10 +267,7 @@ case ${1:-} in
     SETS+=(--set training.processes=auto --set "extraction.reuse_sampling_server='on'" --set server.enforce_eager=true)
     flow run1 &
     flowing=$!
-    until grep -q '"phase": "evaluation"' "$T/run/events.jsonl" 2>/dev/null; do
-      [ $SECONDS -lt $((END - 130)) ] || break
-      sleep 2
-    done
+    draft_exported 130
     pkill -TERM -f "cli run -c $CONFIG"
     wait $flowing
     collect

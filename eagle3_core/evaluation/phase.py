@@ -236,8 +236,8 @@ def evaluate_draft(
     if existing is not None:
         events.record(PHASE, CACHE_HIT, f"evaluation of {draft_dir} already done", path=str(eval_dir))
         return guard(existing)
-    runs_vllm = config.evaluation.engine == "vllm" and served_unavailable(config) is None
-    preflight_evaluation(target, draft_dir, runs_vllm, events, config.server)
+    serving = config.evaluation.engine if served_unavailable(config) is None else None
+    preflight_evaluation(target, draft_dir, serving, config.server, events)
     transformers = run_transformers(config, target, draft_dir, prompts, key_a, eval_dir, events, progress)
     vllm = run_served(config, target, draft_dir, prompts, key, eval_dir, events, progress)
     report = build_report(config, target, draft_dir, transformers, vllm, checkpoint, eval_dir, key, upstream)

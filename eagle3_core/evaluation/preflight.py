@@ -44,10 +44,11 @@ def amx_mla_kernel(server_args: list[str], amx_tiles: bool) -> bool:
 
 
 def preflight_evaluation(
-    target: TargetModel, draft_dir: Path, runs_vllm: bool, events: RunEvents, server: ServerConfig | None = None
+    target: TargetModel, draft_dir: Path, engine: str | None, server: ServerConfig, events: RunEvents
 ) -> None:
-    """`runs_vllm`: measurement (b) would start vLLM with the exported draft in `draft_dir` (see
-    `evaluation.phase.served_unavailable`) as `server` says (its `extra_args`, its tensor parallelism)."""
+    """`engine`: the engine measurement (b) would start with the exported draft in `draft_dir` (`vllm` or
+    `sglang`; None where (b) does not run, see `evaluation.phase.served_unavailable`), as `server` says (its
+    `extra_args`, its tensor parallelism)."""
     import torch
 
     from eagle3_core.draft.export import HF_ARCHITECTURES
@@ -56,11 +57,9 @@ def preflight_evaluation(
     draft_architectures = json.loads((draft_dir / "config.json").read_text()).get("architectures")
     mla_draft = draft_architectures == [HF_ARCHITECTURES["deepseek_mla"][0]]
     problems = []
-    if runs_vllm:
-        server = server or ServerConfig()
+    if engine == "vllm":
         amx = amx_mla_kernel(server.extra_args, torch.cpu._is_amx_tile_supported())
-        problems += [
-            vllm_cpu_mla_problem(mla, mla_draft, has_cuda_gpus(), amx),
-            tensor_parallel_problem(target, server.tensor_parallel_size),
-        ]
-    conclude("evaluation", events, {"mla": mla, "mla_draft": mla_draft, "with_vllm": runs_vllm}, problems)
+        problems.append(vllm_cpu_mla_problem(mla, mla_draft, has_cuda_gpus(), amx))
+    if engine is not None:
+        problems.append(tensor_parallel_problem(target, server.tensor_parallel_size))
+    conclude("evaluation", events, {"mla": mla, "mla_draft": mla_draft, "with_vllm": engine == "vllm"}, problems)

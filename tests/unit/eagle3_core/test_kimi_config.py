@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from eagle3_core.artifacts import SampleSet, TargetModel
-from eagle3_core.config import load_config
+from eagle3_core.config import ServerConfig, load_config
 from eagle3_core.draft.export import ARCHITECTURE, expected_shapes, hf_config
 from eagle3_core.draft.model import DraftConfig
 from eagle3_core.evaluation.preflight import amx_mla_kernel, preflight_evaluation, uses_mla, vllm_cpu_mla_problem
@@ -225,7 +225,7 @@ def test_evaluation_preflight_lets_vllm_serve_kimi_on_gpus_only(kimi, tmp_path):
     draft_dir = tmp_path / "export"
     draft_dir.mkdir()
     (draft_dir / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
-    preflight_evaluation(target, draft_dir, False, events)
+    preflight_evaluation(target, draft_dir, None, ServerConfig(), events)
     [line] = events.read()
     assert line["ok"] is True and line["mla"] is True and line["mla_draft"] is False and line["with_vllm"] is False
 

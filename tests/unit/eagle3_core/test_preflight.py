@@ -3,6 +3,7 @@ port or GPUs do not fit, naming what is wrong in one error and one events.jsonl 
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 from eagle3_core.artifacts import SampleSet, TargetModel, TargetText
 from eagle3_core.config import PipelineConfig
+from eagle3_core.evaluation.preflight import preflight_evaluation
 from eagle3_core.events import PREFLIGHT, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.extraction.preflight import preflight_extraction, sample_set_target_problems
@@ -105,6 +107,13 @@ def test_a_tensor_parallel_size_that_does_not_split_the_heads_is_refused_before_
     with pytest.raises(PreflightError, match=r"server.tensor_parallel_size 2 does not divide .*'s 9 attention heads"):
         preflight_sampling(config, smollm2_target, tmp_path, 10, True, events)
     assert events.count(WEIGHT_LOAD) == 0
+    draft_dir = tmp_path / "export"
+    draft_dir.mkdir()
+    (draft_dir / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    for engine in ("vllm", "sglang"):  # both split the heads by server.tensor_parallel_size
+        with pytest.raises(PreflightError, match="9 attention heads"):
+            preflight_evaluation(smollm2_target, draft_dir, engine, config.server, events)
+    preflight_evaluation(smollm2_target, draft_dir, None, config.server, events)  # (b) not run: nothing starts
     assert tensor_parallel_problem(smollm2_target, 3) is None  # 9 heads and 3 KV heads over 3 ranks
     assert tensor_parallel_problem(smollm2_target, 9) is None  # 1 head each; each KV head on 3 ranks
     grouped = smollm2_target.model_copy(update={"text": TargetText(num_attention_heads=8, num_key_value_heads=3)})
