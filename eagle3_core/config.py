@@ -660,7 +660,8 @@ class EvaluationConfig(Section):
         0.05,
         ge=0,
         description="(b): a draft output that first departs from plain greedy where plain's top-2 logit gap is "
-        "below this is a near-tie (GPU kernels differ by batch shape); any other difference is a defect.",
+        "below this is a near-tie (GPU kernels differ by batch shape), as is one no wider than plain greedy's own "
+        "flips in the same run (bf16); any other difference is a defect.",
         json_schema_extra=roles(evaluation=VLLM),
     )
     sweep_max_k: int = Field(

@@ -224,7 +224,7 @@ case ${1:-} in
     ;;
   quality)
     timed python3 -m bench.gpu.device install || exit 1
-    timed python3 -m bench.gpu.device install --engine sglang || exit 1
+    [[ ${STAGES:-} != *sglang* ]] || timed python3 -m bench.gpu.device install --engine sglang || exit 1
     timed timeout -s TERM -k 20 $((END - SECONDS - 30)) python3 -m bench.gpu.quality_runs --work "$T/quality" \
       --out "$OUT/quality" --sglang-site "$(python3 -m bench.gpu.device site --engine sglang)" \
       --set "target.cache_dir=$T/cache" ${STAGES:+--stages "$STAGES"} "${EXTRA[@]}" 2>&1 | grep -v " | DEBUG" | tail -60

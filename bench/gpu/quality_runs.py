@@ -2,8 +2,8 @@
 call: a stage whose files are there is skipped, so a call cut at its end resumes in the next.
 
 1. samples: one vLLM server (our `VllmServer`, the config's server settings) and every data setting's sample
-   set through it at once (`eagle3 sample`, server.engine external): greedy answers (the protocol), 2, 4 and
-   8 responses a prompt at temperature 0.7; the 49152-token vocabulary trains on the same answers;
+   set through it at once (`eagle3 sample`, server.engine external): greedy answers (the protocol) and the
+   settings of DATA (several responses a prompt, sampled);
 2. training: bench/quality.py per data setting (hf extraction, then the variants in processes on the one GPU,
    --no-eval): validation tau over every position and over a decode's rounds;
 3. served: bench/quality.py --measure, the finalists' drafts in vLLM on HumanEval (164) and the run's 60
@@ -29,30 +29,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "h200-quality.yaml"
 SAMPLED = ["sampling.temperature=0.7", "sampling.top_p=0.95"]
-FULL_VOCAB = ["vocab.draft_vocab_size=49152"]
+HOTTER = ["sampling.temperature=1.0", "sampling.top_p=0.95"]
 # Data settings: sampling overrides, or (a data setting whose samples are reused, overrides) where only what
-# is built from the samples differs (the vocabulary): the same answers, one sampling. (The second session's
-# levers alone, bench/RESULTS.md: change VARIANTS back with git log -p.)
+# is built from the samples differs. n1 (greedy answers) is always sampled: the served stage takes its held-out
+# prompts from it. (The sessions before: change DATA and VARIANTS back with git log -p.)
 DATA: dict[str, list[str] | tuple[str, list[str]]] = {
     "n1": [],
     "n2": ["sampling.responses_per_prompt=2", *SAMPLED],
-    "n4": ["sampling.responses_per_prompt=4", *SAMPLED],
-    "n8": ["sampling.responses_per_prompt=8", *SAMPLED],
-    "n4v49152": ("n4", FULL_VOCAB),
+    "n2t1": ["sampling.responses_per_prompt=2", *HOTTER],
 }
-# Issue 28's third session, sized to two device calls: the defaults on greedy answers at the config's 2 epochs
-# (the reference), then more responses at 4 greedy epochs' compute (N responses, 4 / N epochs), the best of the
-# second session again. (F, the recipe of issue 17, and F on 4 responses: the sessions before, bench/RESULTS.md.)
+# Issue 28's fourth session, sized to two device calls: the best served recipe of the sessions before (2 responses
+# at temperature 0.7, 2 epochs: 4 greedy epochs' compute) against the same at temperature 1.0 (more diverse answers
+# carried further to HumanEval, the prompts furthest from the training ones).
 VARIANTS = {
-    "n1": {"D_2ep": {}},
     "n2": {"D_n2_2ep": {"training.epochs": 2}},
-    "n4": {"D_n4_1ep": {"training.epochs": 1}},
-    "n8": {"D_n8_half": {"training.epochs": 0.5}},
-    "n4v49152": {"D_n4_1ep_v49152": {"training.epochs": 1}},
+    "n2t1": {"D_n2t1_2ep": {"training.epochs": 2}},
 }
-# Served first where the device time may end: what no session measured (8 responses), the best so far again,
-# then the rest.
-SERVED_ORDER = ("D_n8_half", "D_n4_1ep_v49152", "D_n4_1ep", "D_n2_2ep", "D_2ep")
+# Served first where the device time may end: what no session measured, then the reference.
+SERVED_ORDER = ("D_n2t1_2ep", "D_n2_2ep")
 # Servers at once in the served stage, each with this share of the GPU's memory (SmolLM2 needs ~1 GB).
 PARALLEL_SERVERS, SERVER_MEMORY = 5, 0.16
 

@@ -101,6 +101,8 @@ def agreement_cell(measured_b: dict[str, Any]) -> str:
     named = f" ({', '.join(defects[:5])}{', …' if len(defects) > 5 else ''})" if defects else ""
     unrepeatable = measured_b.get("unrepeatable") or []
     plain = f"; plain greedy not repeatable {len(unrepeatable)}" if unrepeatable else ""
+    if (flip := measured_b.get("plain_flip_gap")) is not None:
+        plain += f", flipping at gaps ≤ {flip:g} (near-ties up to there)"
     return f"{cell}; near-ties {measured_b['near_ties']}; defects {len(defects)}{named}{plain}"
 
 

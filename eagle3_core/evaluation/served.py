@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from eagle3_core.config import PipelineConfig
-from eagle3_core.evaluation.departures import TokenGap, judge_outputs
+from eagle3_core.evaluation.departures import TokenGap, flip_floor, judge_outputs, with_flip_floor
 from eagle3_core.evaluation.keyed_results import load_saved, save
 from eagle3_core.evaluation.prompts import EvalPrompt
 from eagle3_core.evaluation.stats import AcceptanceStats
@@ -158,7 +158,13 @@ def compare(draft: dict[str, Any], plain: dict[str, Any], outputs: tuple[list[st
 
 
 def compare_runs(with_draft: dict[str, dict[str, Any]], without: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per prompt set and pooled over all sets (`all`)."""
+    """Per prompt set and pooled over all sets (`all`); a departure no wider than the largest flip of plain
+    greedy on its own, in any set, is a near-tie (`with_flip_floor`)."""
+    floor = flip_floor([d for run in without.values() for d in run.get("differences", [])])
+    without = {
+        name: run | {"differences": with_flip_floor(run["differences"], floor)} if "differences" in run else run
+        for name, run in without.items()
+    }
     sets = {
         name: compare(run, without[name], (run["outputs"], without[name]["outputs"]))
         for name, run in with_draft.items()
@@ -176,6 +182,8 @@ def compare_runs(with_draft: dict[str, dict[str, Any]], without: dict[str, dict[
         [o for run in without.values() for o in run["outputs"]],
     )
     sets["all"] = compare(pooled["draft"] | {"acceptance": pooled["acceptance"]}, pooled["plain"], outputs)
+    if floor is not None:
+        sets["all"]["plain_flip_gap"] = floor
     return {"k": AcceptanceStats.from_json(pooled["acceptance"]).k, "sets": sets}
 
 
@@ -251,9 +259,13 @@ def agreement_line(pooled: dict[str, Any], bound: float, engine: str = "vLLM") -
     """The events.jsonl line that judges (b)'s outputs in `engine` against plain greedy."""
     defects, unrepeatable = pooled["defects"], pooled.get("unrepeatable", [])
     named = f" ({len(unrepeatable)} where plain greedy itself does not repeat: {', '.join(unrepeatable)})"
+    flip = pooled.get("plain_flip_gap")
+    floor = (
+        f", or ≤ {flip:g}, the widest gap plain greedy flipped at by itself in this run," if flip is not None else ""
+    )
     return (
         f"measurement (b) in {engine}, outputs with the draft vs plain greedy: "
         f"{pooled['identical_outputs']} identical, "
-        f"{pooled['near_ties']} near-ties (plain top-2 logit gap < {bound:g} where the texts first differ), "
+        f"{pooled['near_ties']} near-ties (plain top-2 logit gap < {bound:g}{floor} where the texts first differ), "
         f"{len(defects)} defects{': ' + ', '.join(defects) if defects else ''}{named if unrepeatable else ''}"
     )

@@ -108,3 +108,32 @@ def test_the_report_says_when_the_draft_makes_serving_slower() -> None:
     assert slower_lines(summary) == ["", "- holdout, batch 1: the draft makes serving slower (0.81× plain)."]
     summary["vllm"]["sets"]["holdout"]["batch1"]["speedup"] = 1.1
     assert slower_lines(summary) == []
+
+
+def test_a_repeat_that_flips_records_the_gap_plain_greedy_flipped_at() -> None:
+    repeat = [TokenGap(b" the", 0.01), TokenGap(b" cap", 0.5)]
+    judged = judge_difference("p4", (" the cab", PLAIN, " the cap"), repeat, bound=0.05)
+    assert (judged["repeatable"], judged["gap"], judged["flip_gap"]) == (False, 0.5, 0.5)
+    assert "flip_gap" not in judge_difference("p1", (" then cat", PLAIN, PLAIN), TOKENS, bound=0.05)
+
+
+def test_a_departure_no_wider_than_plain_greedys_own_flips_is_a_near_tie_in_every_set() -> None:
+    """Seen on the H200: SGLang 0.5.14 in bfloat16 flipped plain greedy by itself at gaps up to 0.5 and the draft's
+    repeatable departures were at 0.125, 0.125 and 0.5: counted as defects under float32's bound of 0.05. A
+    departure wider than any flip of the engine's own stays a defect."""
+    moved = {"prompt": "c1", "repeatable": False, "near_tie": False, "gap": 0.5, "flip_gap": 0.5}
+    close = {"prompt": "c2", "repeatable": True, "near_tie": False, "gap": 0.125}
+    at = {"prompt": "d1", "repeatable": True, "near_tie": False, "gap": 0.5}
+    far = {"prompt": "d2", "repeatable": True, "near_tie": False, "gap": 3.0}
+    with_draft = {"c": run(["x", "y"], draft=True), "d": run(["z", "w"], draft=True)}
+    without = {"c": run(["X", "Y"], [moved, close]), "d": run(["Z", "W"], [at, far])}
+    sets = compare_runs(with_draft, without)["sets"]
+    assert (sets["c"]["near_ties"], sets["c"]["defects"], sets["c"]["unrepeatable"]) == (1, [], ["c1"])
+    assert (sets["d"]["near_ties"], sets["d"]["defects"]) == (1, ["d2"])
+    assert (sets["all"]["near_ties"], sets["all"]["defects"], sets["all"]["plain_flip_gap"]) == (2, ["d2"], 0.5)
+    assert "near-ties (plain top-2 logit gap < 0.05, or ≤ 0.5, the widest gap plain greedy flipped at by itself " \
+        "in this run, where the texts first differ), 1 defects: d2" in agreement_line(sets["all"], 0.05)  # fmt: skip
+    assert agreement_cell(sets["all"]).endswith(
+        "plain greedy not repeatable 1, flipping at gaps ≤ 0.5 (near-ties up to there)"
+    )
+    assert "plain_flip_gap" not in compare_runs({"c": run(["x"], draft=True)}, {"c": run(["X"], [far])})["sets"]["all"]
