@@ -69,8 +69,9 @@ def judge_difference(
 ) -> dict[str, Any]:
     """Where the draft's text first departs from plain greedy (`texts`: draft, plain, and a repeat of the
     plain request that returned `tokens`): the plain run's token there (the smaller gap of the two candidates
-    at a token boundary, `tokens_at`) and its top-2 gap; a near-tie when the gap is below `bound`. The repeat
-    must return the plain text again, else plain greedy itself is not repeatable: a defect."""
+    at a token boundary, `tokens_at`) and its top-2 gap; a near-tie when the gap is below `bound`. Where the
+    repeat does not return the plain text again, plain greedy itself is not repeatable: named apart, with the
+    gap at which the repeat left the plain text (`flip_gap`), the engine's own noise."""
     draft_text, plain_text, repeat_text = texts
     char = first_difference(draft_text, plain_text)
     index, gap = gap_at(tokens, repeat_text, char)
