@@ -19,12 +19,14 @@ from eagle3_core.draft.model import DraftConfig
 from eagle3_core.evaluation.preflight import amx_mla_kernel, preflight_evaluation, uses_mla, vllm_cpu_mla_problem
 from eagle3_core.evaluation.vllm_measure import speculative_args
 from eagle3_core.events import PREFLIGHT, RunEvents
+from eagle3_core.extraction import preflight as extraction_preflight
 from eagle3_core.extraction.layout import resolve_layer_ids
 from eagle3_core.extraction.preflight import preflight_extraction
 from eagle3_core.extraction.storage import SampleStates, bytes_per_token, write_shard
 from eagle3_core.extraction.vllm_backend import extraction_args
 from eagle3_core.preflight import PreflightError
 from eagle3_core.target.prepare import describe_folder
+from eagle3_core.training import preflight as training_preflight
 from eagle3_core.training.preflight import preflight_training
 
 CONFIG_FILE = Path(__file__).parents[3] / "configs" / "kimi-k2.5-tp8.yaml"
@@ -69,6 +71,18 @@ def kimi(tmp_path: Path) -> tuple[TargetModel, object]:
     target = describe_folder(folder, "Kimi-K2.5", "local")
     config = load_config(CONFIG_FILE, [f"target.model={folder}", f"run_dir={tmp_path / 'run'}"])
     return target, config
+
+
+@pytest.fixture
+def free_disk(monkeypatch: pytest.MonkeyPatch):
+    """Pin the free space a preflight sees, so its verdict is the test's and not the host's: Kimi's draft
+    states need ~46 GB, about what a CI machine has free (one had 44.0 GB and refused)."""
+
+    def pin(module: object, free: int) -> int:
+        monkeypatch.setattr(module, "free_bytes", lambda path: free)
+        return free
+
+    return pin
 
 
 def test_the_target_is_read_through_its_text_config(kimi):
@@ -151,10 +165,11 @@ def test_storage_bytes_per_token_match_a_written_fp8_shard(kimi, tmp_path):
     assert shard.stat().st_size - header - offsets == tokens * per_token
 
 
-def test_extraction_preflight_estimates_the_disk_before_any_load(kimi, tmp_path):
-    """21M tokens (the seeds' sample count) need 0.60 TB in fp8: more than this machine has free, so the
+def test_extraction_preflight_estimates_the_disk_before_any_load(kimi, tmp_path, free_disk):
+    """21M tokens (the seeds' sample count) need 0.60 TB in fp8: more than a 500 GB disk has free, so the
     extraction preflight refuses, naming the estimate; layer ids fit the 61 layers."""
     target, config = kimi
+    free = free_disk(extraction_preflight, 500 * 10**9)
     sample_set = SampleSet(root=str(tmp_path))
     needed = int(21_000_000 * bytes_per_token(HIDDEN, config.extraction.dtype))
     assert round(needed / 1e12, 2) == 0.60
@@ -163,7 +178,7 @@ def test_extraction_preflight_estimates_the_disk_before_any_load(kimi, tmp_path)
         preflight_extraction(config, sample_set, target, tmp_path, [2, 30, 58], needed, True, events)
     assert f"needs about {needed:,} bytes" in str(error.value)
     [line] = [e for e in events.read() if e["event"] == PREFLIGHT]
-    assert line["disk_needed"] == needed and line["layer_ids"] == [2, 30, 58]
+    assert line["disk_needed"] == needed and line["disk_free"] == free and line["layer_ids"] == [2, 30, 58]
     assert len(line["problems"]) == 1
 
 
@@ -195,8 +210,9 @@ def test_draft_shape_and_export_config(kimi):
     assert shapes["midlayer.self_attn.q_proj.weight"] == (HIDDEN, 2 * HIDDEN)
 
 
-def test_training_preflight_prints_draft_parameters_disk_and_memory(kimi, tmp_path):
+def test_training_preflight_prints_draft_parameters_disk_and_memory(kimi, tmp_path, free_disk):
     target, config = kimi
+    free = free_disk(training_preflight, 10**12)
     events = RunEvents(tmp_path)
     hidden = type("Hidden", (), {"layer_ids": [2, 30, 58]})()
     preflight_training(config, hidden, target, config.vocab.draft_vocab_size, tmp_path, events)
@@ -208,7 +224,7 @@ def test_training_preflight_prints_draft_parameters_disk_and_memory(kimi, tmp_pa
     assert line["ok"] is True and line["draft_parameters"] == trainable
     assert line["memory_estimate"] == memory and f"memory_estimate {memory}" in line["message"]
     keep = config.training.keep_checkpoints
-    assert line["disk_needed"] == (keep + 1) * trainable * 12 + trainable * 4
+    assert line["disk_needed"] == (keep + 1) * trainable * 12 + trainable * 4 and line["disk_free"] == free
 
 
 def test_evaluation_preflight_lets_vllm_serve_kimi_on_gpus_only(kimi, tmp_path):
@@ -246,11 +262,12 @@ def test_an_amx_host_holds_both_kernels_unless_the_server_is_told_the_reference_
     assert "attention_backend" not in json.loads(speculative_args(Path("export"), 3, [])[1])
 
 
-def test_mla_draft_at_kimis_shape_and_its_training_preflight(kimi, tmp_path):
+def test_mla_draft_at_kimis_shape_and_its_training_preflight(kimi, tmp_path, free_disk):
     """`training.draft_architecture: deepseek_mla` takes Kimi's MLA ranks (q latent 1536, kv latent 512,
     head dims 128 + 64 and 128): the draft's shape, its export config for vLLM's deepseek_eagle3, and the
     parameter count and memory estimate the training preflight prints, against the shapes alone."""
     target, config = kimi
+    free_disk(training_preflight, 10**12)
     config = config.model_copy(
         update={"training": config.training.model_copy(update={"draft_architecture": "deepseek_mla"})}
     )
