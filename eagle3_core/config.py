@@ -330,7 +330,9 @@ class ExtractionConfig(Section):
         json_schema_extra=content("extraction"),
     )
     dtype: Literal["bf16", "fp8"] = Field(
-        "bf16", description="Storage dtype; fp8 (e4m3) halves the disk.", json_schema_extra=content("extraction")
+        "bf16",
+        description="Storage dtype; fp8 (e4m3, per-row scales, quantised in the engine by vllm) halves the disk.",
+        json_schema_extra=content("extraction"),
     )
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",

@@ -56,7 +56,8 @@ COSINE_SAMPLES = 16
 # (name, dtype, connector folder, samples per shard, requests in flight, shard-writer threads) of the
 # full-phase passes. Round `levers`: the old run's setting first (shards of 16: at most 16 of the 32 in
 # flight), then the connector's files on a tmpfs and more in flight. Round `writers`: the shard writer's
-# threads (`extraction.writer_threads`), on the disk.
+# threads (`extraction.writer_threads`), on the disk. Round `fp8`: fp8 quantised in the engine by the
+# connector (half the copy, the files and the shard bytes) beside bf16 at the best setting of `writers`.
 STORE_PASSES = {
     "levers": [
         ("bf16_disk_shard16_c32", "bf16", "disk", 16, 32, 2),
@@ -73,20 +74,33 @@ STORE_PASSES = {
         ("bf16_disk_shard32_c32_w8", "bf16", "disk", 32, 32, 8),
         ("fp8_disk_shard16_c32_w8", "fp8", "disk", 16, 32, 8),
     ],
+    "fp8": [
+        ("bf16_disk_shard16_c32_w4", "bf16", "disk", 16, 32, 4),
+        ("fp8_disk_shard16_c32_w4", "fp8", "disk", 16, 32, 4),
+        ("fp8_disk_shard32_c32_w4", "fp8", "disk", 32, 32, 4),
+        ("fp8_disk_shard16_c32_w2", "fp8", "disk", 16, 32, 2),
+    ],
 }
-# (name, connector folder, samples per extract call, requests in flight); shard None: one continuous pool.
+# (name, dtype asked of the connector, connector folder, samples per extract call, requests in flight); shard
+# None: one continuous pool.
 CONNECTOR_PASSES = {
     "levers": [
-        ("disk_shard16_c32", "disk", 16, 32),
-        ("shm_shard16_c32", "shm", 16, 32),
-        ("disk_pool_c32", "disk", None, 32),
-        ("shm_pool_c32", "shm", None, 32),
-        ("shm_pool_c64", "shm", None, 64),
+        ("disk_shard16_c32", "bf16", "disk", 16, 32),
+        ("shm_shard16_c32", "bf16", "shm", 16, 32),
+        ("disk_pool_c32", "bf16", "disk", None, 32),
+        ("shm_pool_c32", "bf16", "shm", None, 32),
+        ("shm_pool_c64", "bf16", "shm", None, 64),
     ],
-    "writers": [("disk_pool_c32", "disk", None, 32)],
+    "writers": [("disk_pool_c32", "bf16", "disk", None, 32)],
+    "fp8": [("disk_pool_c32", "bf16", "disk", None, 32), ("disk_pool_c32_fp8", "fp8", "disk", None, 32)],
 }
-# The two sets compared state by state (the tmpfs must not change a state).
-COMPARED = {"levers": ("bf16_disk_shard16_c32", "bf16_shm_shard128_c64"), "writers": ()}
+# The two sets compared state by state, per layer: the tmpfs must not change a state; fp8 from the engine
+# must be the bf16 state within e4m3's rounding.
+COMPARED = {
+    "levers": ("bf16_disk_shard16_c32", "bf16_shm_shard128_c64"),
+    "writers": (),
+    "fp8": ("bf16_disk_shard16_c32_w4", "fp8_disk_shard16_c32_w4"),
+}
 
 
 def pipeline_config(
@@ -145,10 +159,12 @@ def timed_phase(
     return states, spent[0]
 
 
-def connector_pass(base_url: str, rows: list[dict[str, Any]], shard: int | None, in_flight: int) -> float:
-    """Prompt tokens/s of `VllmBackend.extract` alone: states written by the connector and read back (lock,
-    load, delete), checked against the prompt ids, no shard written; `shard` rows at a time (None: all)."""
-    backend = VllmBackend(base_url, None, in_flight, 600, lambda wait_s: None)
+def connector_pass(
+    base_url: str, rows: list[dict[str, Any]], shard: int | None, in_flight: int, dtype: str = "bf16"
+) -> float:
+    """Prompt tokens/s of `VllmBackend.extract` alone: states written by the connector as `dtype` and read back
+    (lock, load, delete), checked against the prompt ids, no shard written; `shard` rows at a time (None: all)."""
+    backend = VllmBackend(base_url, None, in_flight, 600, lambda wait_s: None, dtype)
     chunks = [rows] if shard is None else [rows[i : i + shard] for i in range(0, len(rows), shard)]
     try:
         start = time.perf_counter()
@@ -293,12 +309,14 @@ def run(
                 return stored(states, seconds, plain_rate) | where_and_how
 
             results.measure(f"vllm_store_{name}", store_pass)
-        for name, where, shard, in_flight in CONNECTOR_PASSES[round_]:
+        for name, dtype, where, shard, in_flight in CONNECTOR_PASSES[round_]:
 
-            def connector_only(where: str = where, shard: int | None = shard, in_flight: int = in_flight) -> Any:
+            def connector_only(dtype: str = dtype, where: str = where, shard: int | None = shard,
+                               in_flight: int = in_flight) -> Any:  # fmt: skip
                 point(link, folders[where])
-                return rate_of(connector_pass(server.base_url, rows, shard, in_flight), plain_rate) | {
-                    "connector_files": where, "in_flight": min(shard or in_flight, in_flight)}  # fmt: skip
+                rate = connector_pass(server.base_url, rows, shard, in_flight, dtype)
+                how = {"dtype": dtype, "connector_files": where, "in_flight": min(shard or in_flight, in_flight)}
+                return rate_of(rate, plain_rate) | how
 
             results.measure(f"connector_only_{name}", connector_only)
         point(link, folders["disk"])
@@ -308,9 +326,10 @@ def run(
                 prefill_pass(server.base_url, rows, n), plain_rate) | {"in_flight": n})  # fmt: skip
             if "error" in row:
                 break
-    if round_ == "levers" and len(sets) == 2:
+    if COMPARED[round_] and len(sets) == 2:
         a, b = (sets[name] for name in COMPARED[round_])
-        results.measure("cosine_disk_vs_shm_per_layer", lambda: layer_cosines(a, b, COSINE_SAMPLES))
+        compared = "_vs_".join(COMPARED[round_])
+        results.measure(f"cosine_{compared}_per_layer", lambda: layer_cosines(a, b, COSINE_SAMPLES))
     shutil.rmtree(folders["shm"], ignore_errors=True)
     for name in COMPARED[round_][1:]:
         shutil.rmtree(work / f"vllm-{name}", ignore_errors=True)

@@ -12,7 +12,8 @@
 #                                   connector's files on the disk and on a tmpfs (/dev/shm, or one mounted
 #                                   under $T when /dev/shm has < 8 GB free), several shard sizes and
 #                                   requests in flight; LIMIT_HF=1 adds the hf backend and its cosines;
-#                                   LIMIT_ROUND=writers the shard writer's threads instead, LIMIT_PLAIN_RATE=N
+#                                   LIMIT_ROUND=writers the shard writer's threads instead, LIMIT_ROUND=fp8 fp8
+#                                   quantised in the engine beside bf16, LIMIT_PLAIN_RATE=N
 #                                   skips the plain engine (its rate measured before)
 #   bash bench/gpu/h200.sh quality  (vLLM and SGLang staged) issue 28's screening, bench/gpu/quality_runs.py:
 #                                   sample sets, variants, served acceptance in vLLM, then SGLang beside it

@@ -5,12 +5,13 @@ last decoder layer, before the final norm (vLLM's Llama and DeepSeek-V2/V3 model
 so the stored `last` matches the hf backend's. Each sample's token ids go to `/v1/completions` with
 `max_tokens=1`; the KV connector (`connector.py`) writes the prompt's states to a safetensors file whose
 path comes back in `kv_transfer_params`; the file is read, checked and deleted, its states go into our
-shards. Tensor parallelism, memory share and the rest come from `config.server`; the server lifecycle
-(load progress, stall detection, clean stop) is `eagle3_core.serving.engine`'s. `shared_server` builds the one
-server sampling and extraction share when `extraction.reuse_sampling_server` says so
-(`eagle3_core.serving.shared`). An engine that dies mid-shard fails the shard with `EngineDied` (transient:
-the phase's retry starts a new engine and extracts only the shards without a completion record);
-nothing of the failed shard is written.
+shards. With `extraction.dtype: fp8` the requests ask the connector to quantise in the engine, so the file
+already holds the shard's fp8 rows and scales. Tensor parallelism, memory share and the rest come from
+`config.server`; the server lifecycle (load progress, stall detection, clean stop) is
+`eagle3_core.serving.engine`'s. `shared_server` builds the one server sampling and extraction share when
+`extraction.reuse_sampling_server` says so (`eagle3_core.serving.shared`). An engine that dies mid-shard
+fails the shard with `EngineDied` (transient: the phase's retry starts a new engine and extracts only the
+shards without a completion record); nothing of the failed shard is written.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, RunEvents
-from eagle3_core.extraction.connector import CONNECTOR_NAME, EXTRACT_REQUEST
+from eagle3_core.extraction.connector import CONNECTOR_NAME, SCALES, STATES, extract_request
 from eagle3_core.extraction.layout import resolve_layer_ids
 from eagle3_core.extraction.storage import SampleRow, SampleStates, ShardError
 from eagle3_core.hosts import host_slice
@@ -84,6 +85,22 @@ def extraction_args(layer_ids: list[int], num_layers: int, storage_dir: Path) ->
     ]  # fmt: skip
 
 
+def sample_states(row: SampleRow, data: dict[str, torch.Tensor]) -> SampleStates:
+    """One connector file's tensors as the sample's states: aux ids ascending, then N, with their fp8
+    scales when the connector quantised them."""
+    states = data[STATES]  # [T, 4, H]
+    scale = data.get(SCALES)  # [T, 4] float32, fp8 files only
+    return SampleStates(
+        sample_id=row["id"],
+        input_ids=data["token_ids"].long(),
+        loss_mask=torch.tensor(row["loss_mask"], dtype=torch.int8),
+        aux=states[:, :3],
+        last=states[:, 3],
+        aux_scale=None if scale is None else scale[:, :3],
+        last_scale=None if scale is None else scale[:, 3],
+    )
+
+
 def read_states_file(path: Path) -> dict[str, torch.Tensor]:
     """Read a file the connector wrote (waiting on its lock until the write is complete), then delete it."""
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -97,10 +114,20 @@ def read_states_file(path: Path) -> dict[str, torch.Tensor]:
 
 
 class VllmBackend:
-    """Sends a shard's samples to a running extraction server, `concurrency` requests at a time."""
+    """Sends a shard's samples to a running extraction server, `concurrency` requests at a time, asking for
+    the states as `dtype` (`extraction.dtype`)."""
 
-    def __init__(self, base_url: str, api_key: str | None, concurrency: int, timeout_s: float, engine_exit: EngineExit):
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        concurrency: int,
+        timeout_s: float,
+        engine_exit: EngineExit,
+        dtype: str = "bf16",
+    ):
         self.engine_exit = engine_exit
+        self.transfer_params = extract_request(dtype)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s)
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="extract-request")
@@ -116,7 +143,7 @@ class VllmBackend:
             "max_tokens": 1,
             "temperature": 0.0,
             "return_token_ids": True,
-            "kv_transfer_params": EXTRACT_REQUEST,
+            "kv_transfer_params": self.transfer_params,
         }
         response = self.client.post("/v1/completions", json=body)
         if response.status_code != 200:
@@ -131,15 +158,7 @@ class VllmBackend:
         path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
             raise ShardError(f"sample {row['id']}: no hidden_states_path in the answer; is the connector set?")
-        data = read_states_file(Path(path))
-        states = data["hidden_states"]  # [T, 4, H]: aux ids ascending, then N
-        return SampleStates(
-            sample_id=row["id"],
-            input_ids=data["token_ids"].long(),
-            loss_mask=torch.tensor(row["loss_mask"], dtype=torch.int8),
-            aux=states[:, :3],
-            last=states[:, 3],
-        )
+        return sample_states(row, read_states_file(Path(path)))
 
     def extract(self, rows: list[SampleRow]) -> tuple[list[SampleStates], None]:
         """The states of one shard's samples; `EngineDied` when the engine died meanwhile."""
@@ -172,11 +191,11 @@ def open_vllm_backend(
     generated token."""
     from eagle3_core.serving.engine import VllmServer, requests_in_flight
 
-    timeout_s = config.sampling.request_timeout_s
+    timeout_s, dtype = config.sampling.request_timeout_s, config.extraction.dtype
     in_flight = requests_in_flight(config.server, config.extraction.concurrency)
     if server is not None:
         running = running_server(server, PHASE, progress, max_tokens + 1)
-        backend = VllmBackend(running.base_url, running.api_key, in_flight, timeout_s, running.exit_report)
+        backend = VllmBackend(running.base_url, running.api_key, in_flight, timeout_s, running.exit_report, dtype)
         try:
             yield backend
         finally:
@@ -193,7 +212,7 @@ def open_vllm_backend(
     args = extraction_args(layer_ids, target.num_layers, incoming.resolve())
     part = host_slice(config)
     with VllmServer(server_config, target.root_path, config.run_dir, events, progress, args, PHASE, part) as running:
-        backend = VllmBackend(running.base_url, running.api_key, in_flight, timeout_s, running.exit_report)
+        backend = VllmBackend(running.base_url, running.api_key, in_flight, timeout_s, running.exit_report, dtype)
         try:
             yield backend
         except EngineDied as exc:

@@ -3,8 +3,9 @@ servers. Every run stops at `vocab:start` (EAGLE3_FAULT), right after the two ph
 
 - separate mode (a fresh run directory): two weight loads, one per phase;
 - reuse mode, in a run directory seeded with the separate run's samples plus two new prompts (so both modes
-  extract the very same samples): one weight load for sampling and extraction together, the sampling
-  requests write no states, and the states equal the separate mode's (same token ids, cosine >= 0.999);
+  extract the very same samples), storing fp8: one weight load for sampling and extraction together, the
+  sampling requests write no states, the connector quantises in the engine (its files hold e4m3 and
+  scales), and the states equal the separate mode's bf16 ones (same token ids, cosine >= 0.999);
 - reuse mode with a failure injected mid-extraction: the server is stopped, no process is left, and the next
   run resumes extraction without sampling again (sampling Cached).
 """
@@ -25,7 +26,9 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from eagle3_core.artifacts import HiddenStateSet
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, RESUME, WEIGHT_LOAD, RunEvents
+from eagle3_core.extraction import vllm_backend
 from eagle3_core.extraction.reader import HiddenStateDataset
+from eagle3_core.extraction.storage import FP8
 from eagle3_core.faults import ENV
 from flows.train_drafter import train_drafter
 
@@ -42,9 +45,9 @@ SMALL = {
 }
 
 
-def make_config(run_dir: Path, reuse: str, prompts: int = PROMPTS) -> PipelineConfig:
+def make_config(run_dir: Path, reuse: str, prompts: int = PROMPTS, dtype: str = "bf16") -> PipelineConfig:
     sampling = {**SMALL["sampling"], "max_prompts": prompts}
-    extraction = {**SMALL["extraction"], "reuse_sampling_server": reuse}
+    extraction = {**SMALL["extraction"], "reuse_sampling_server": reuse, "dtype": dtype}
     return PipelineConfig.model_validate({**SMALL, "sampling": sampling, "extraction": extraction, "run_dir": run_dir})
 
 
@@ -104,12 +107,22 @@ def separate_run(prefect_api, tmp_path_factory: pytest.TempPathFactory) -> tuple
 
 
 @pytest.fixture(scope="module")
-def reuse_run(separate_run, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict], Path]:
+def reuse_run(separate_run, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict], Path, list]:
+    """The reuse run, storing fp8, with the dtypes of every connector file extraction read."""
     run_dir = seeded_run_dir(separate_run[2], tmp_path_factory.mktemp("reuse") / "run")
+    read = vllm_backend.read_states_file
+    files: list[dict[str, torch.dtype]] = []
+
+    def read_and_note(path: Path) -> dict[str, torch.Tensor]:
+        data = read(path)
+        files.append({name: tensor.dtype for name, tensor in data.items()})
+        return data
+
     with pytest.MonkeyPatch.context() as monkeypatch:
-        config = make_config(run_dir, "on", PROMPTS + NEW_PROMPTS)
+        monkeypatch.setattr(vllm_backend, "read_states_file", read_and_note)
+        config = make_config(run_dir, "on", PROMPTS + NEW_PROMPTS, dtype="fp8")
         phases, events = run_flow(config, monkeypatch, STOP_AFTER_EXTRACTION)
-    return phases, events, run_dir
+    return phases, events, run_dir, files
 
 
 @pytest.mark.timeout(1800)
@@ -122,7 +135,7 @@ def test_separate_mode_loads_the_weights_once_per_phase(separate_run):
 
 @pytest.mark.timeout(1800)
 def test_reuse_mode_samples_and_extracts_with_one_weight_load(reuse_run):
-    phases, events, run_dir = reuse_run
+    phases, events, run_dir, _ = reuse_run
     assert phases["sampling"] == phases["extraction"] == "Completed"
     assert sampled_prompts(events) == [NEW_PROMPTS], "the new prompts were sampled on the shared server"
     assert loads(events) == {"sampling": 1}, "extraction ran on the server sampling started"
@@ -134,7 +147,14 @@ def test_reuse_mode_samples_and_extracts_with_one_weight_load(reuse_run):
 @pytest.mark.timeout(1800)
 def test_reuse_mode_stores_the_states_of_the_separate_mode(separate_run, reuse_run):
     separate = states_by_id(hidden_state_set(separate_run[2]))
-    reused = states_by_id(hidden_state_set(reuse_run[2]))
+    reused_set = hidden_state_set(reuse_run[2])
+    assert reused_set.dtype == "fp8" and hidden_state_set(separate_run[2]).dtype == "bf16"
+    files = reuse_run[3]
+    assert len(files) == reused_set.samples, "one connector file per extracted sample"
+    assert all(
+        f == {"hidden_states": FP8, "hidden_states_scale": torch.float32, "token_ids": torch.int64} for f in files
+    ), "the connector quantised in the engine"
+    reused = states_by_id(reused_set)
     assert set(separate) < set(reused), "the reuse run extracted the separate run's samples and the new ones"
     for sid, a in separate.items():
         b = reused[sid]

@@ -6,7 +6,13 @@ import json
 
 import torch
 
-from eagle3_core.extraction.connector import CONNECTOR_NAME, CompletedCopy, HiddenStatesConnector, slot_mapping
+from eagle3_core.extraction.connector import (
+    CONNECTOR_NAME,
+    CompletedCopy,
+    HiddenStatesConnector,
+    HiddenStatesMetadata,
+    slot_mapping,
+)
 from eagle3_core.extraction.vllm_backend import extraction_args, server_layer_ids
 
 
@@ -79,14 +85,13 @@ def test_a_request_that_asked_for_no_states_is_never_reported_sent_on_vllm_026s_
     worker reported it as sent, and the scheduler, which had freed it, asserted it still held it."""
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         ExampleHiddenStatesConnector,
-        ExampleHiddenStatesConnectorMetadata,
     )
 
     monkeypatch.setattr(ExampleHiddenStatesConnector, "get_finished", vllm_026_get_finished)
     connector = object.__new__(HiddenStatesConnector)
     connector._given_files, connector._accumulated_finished_req_ids = set(), set()
-    connector._req_copy_events = {}
-    meta = ExampleHiddenStatesConnectorMetadata()
+    connector._req_copy_events, connector._fp8_requests = {}, set()
+    meta = HiddenStatesMetadata()  # what our scheduler side sends
     meta.new_req_filenames["extract-1"] = "/states/extract-1.safetensors"  # sample-1 asked for none
     connector._connector_metadata = meta
     assert connector.get_finished(set()) == (None, None)  # the step that scheduled both

@@ -14,7 +14,7 @@ from vllm import SamplingParams
 
 from eagle3_core.config import ConfigError, PipelineConfig
 from eagle3_core.events import DECISION, PREFLIGHT, WEIGHT_LOAD, RunEvents
-from eagle3_core.extraction.connector import EXTRACT_REQUEST, HiddenStatesConnector, wants_hidden_states
+from eagle3_core.extraction.connector import HiddenStatesConnector, extract_request, wants_hidden_states
 from eagle3_core.preflight import PreflightError
 from eagle3_core.sampling.phase import sample_prompts
 from eagle3_core.sampling.prompts import load_prompts
@@ -32,6 +32,8 @@ from eagle3_core.serving.shared import SharedServer, running_server, starts_engi
 from tasks.shared_server import sampling_and_extraction_server
 
 # --- the connector writes states only for requests that ask ------------------------------------------
+
+EXTRACT_REQUEST = extract_request("bf16")
 
 
 def scheduler_connector(storage: Path) -> HiddenStatesConnector:
