@@ -1,5 +1,7 @@
-"""The connector's fp8 requests without an engine: the scheduler names them to the worker, and the worker's
-file, read back by the vLLM backend, makes the very shard the host's own quantisation makes."""
+"""The connector without an engine (vLLM's own scheduler- and worker-side code on a connector built by hand):
+only requests that ask get a file and hold their blocks (the shared server's sampling requests write nothing);
+the scheduler names the fp8 requests to the worker, and the worker's fp8 file, read back by the vLLM backend,
+makes the very shard the host's own quantisation makes."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from eagle3_core.extraction.connector import (
     extract_request,
     slot_mapping,
     wants_fp8,
+    wants_hidden_states,
 )
 from eagle3_core.extraction.storage import FP8, write_shard
 from eagle3_core.extraction.vllm_backend import read_states_file, sample_states
@@ -29,6 +32,7 @@ from eagle3_core.extraction.vllm_backend import read_states_file, sample_states
 # vLLM 0.26 caches the states as [blocks, block, L, H], 0.32 as [blocks, L, block, H]: with a block of 4
 # tokens and L = 4 (3 aux + last) one cache reads right under either version's `extract_from_kv_cache`.
 BLOCK, BLOCKS, LAYERS, HIDDEN = 4, 6, 4, 32
+EXTRACT_REQUEST = extract_request("bf16")
 
 
 def new_request(req_id: str, kv_transfer_params: dict | None) -> SimpleNamespace:
@@ -36,7 +40,7 @@ def new_request(req_id: str, kv_transfer_params: dict | None) -> SimpleNamespace
     return SimpleNamespace(req_id=req_id, sampling_params=SamplingParams(max_tokens=1, extra_args=extra_args))
 
 
-def connector(storage: Path, kv_cache: torch.Tensor) -> HiddenStatesConnector:
+def connector(storage: Path, kv_cache: torch.Tensor | None = None) -> HiddenStatesConnector:
     """Both sides' state, without an engine: the scheduler's file names and the worker's CPU cache."""
     made = object.__new__(HiddenStatesConnector)
     made._pending_saves, made._request_filenames = {}, {}
@@ -49,8 +53,34 @@ def connector(storage: Path, kv_cache: torch.Tensor) -> HiddenStatesConnector:
     return made
 
 
+def test_only_requests_that_ask_get_a_file_and_hold_their_blocks(tmp_path: Path):
+    made = connector(tmp_path)
+    requests = [new_request("extract", EXTRACT_REQUEST), new_request("sample", None), new_request("other", {})]
+    meta = made.build_connector_meta(SimpleNamespace(scheduled_new_reqs=requests))
+    assert list(meta.new_req_filenames) == ["extract"]
+
+    def finished(req_id: str, params: dict | None):
+        request = SimpleNamespace(request_id=req_id, kv_transfer_params=params, prompt_token_ids=[1, 2, 3])
+        return made.request_finished(request, block_ids=[0])
+
+    delay, params = finished("extract", EXTRACT_REQUEST)
+    assert delay and params == {"hidden_states_path": str(tmp_path / "extract.safetensors")}
+    assert finished("sample", None) == (False, None), "a sampling request frees its blocks and writes nothing"
+    assert finished("other", {}) == (False, None)
+    pending = made.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[])).pending_saves
+    assert [p.req_id for p in pending] == ["extract"]
+
+
+def test_the_marker_is_read_from_the_kv_transfer_params_the_server_copies_into_extra_args():
+    assert wants_hidden_states({"kv_transfer_params": EXTRACT_REQUEST})
+    assert not wants_hidden_states(None)
+    assert not wants_hidden_states({"kv_transfer_params": None})
+    assert not wants_hidden_states({"kv_transfer_params": {"eagle3_extract": False}})
+    assert not wants_hidden_states(EXTRACT_REQUEST), "the marker belongs inside kv_transfer_params"
+
+
 def test_the_scheduler_names_the_fp8_requests_in_the_example_metadata(tmp_path: Path):
-    made = connector(tmp_path, torch.zeros(1))
+    made = connector(tmp_path)
     requests = [
         new_request("fp8", extract_request("fp8")),
         new_request("bf16", extract_request("bf16")),

@@ -1,6 +1,6 @@
-"""Serve-and-extract on one server, the parts that need no vLLM server: the connector's request filter (vLLM's
-own scheduler-side code, run on a connector built without an engine), the `auto` decision, and the shared
-server's lifetime (with stand-in servers)."""
+"""Serve-and-extract on one server, the parts that need no vLLM server: the `auto` decision and the shared
+server's lifetime (with stand-in servers). The connector's request filter is tested with the connector
+(tests/unit/eagle3_core/extraction/test_connector.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from vllm import SamplingParams
 
 from eagle3_core.config import ConfigError, PipelineConfig
 from eagle3_core.events import DECISION, PREFLIGHT, WEIGHT_LOAD, RunEvents
-from eagle3_core.extraction.connector import HiddenStatesConnector, extract_request, wants_hidden_states
 from eagle3_core.preflight import PreflightError
 from eagle3_core.sampling.phase import sample_prompts
 from eagle3_core.sampling.prompts import load_prompts
@@ -30,53 +28,6 @@ from eagle3_core.sampling.reuse_decision import (
 from eagle3_core.sampling.store import SampleStore
 from eagle3_core.serving.shared import SharedServer, running_server, starts_engine
 from tasks.shared_server import sampling_and_extraction_server
-
-# --- the connector writes states only for requests that ask ------------------------------------------
-
-EXTRACT_REQUEST = extract_request("bf16")
-
-
-def scheduler_connector(storage: Path) -> HiddenStatesConnector:
-    """The scheduler-side state vLLM's `build_connector_meta` and `request_finished` use, without an engine."""
-    connector = object.__new__(HiddenStatesConnector)
-    connector._pending_saves = {}
-    connector._request_filenames = {}
-    connector._storage_path = str(storage)
-    connector.allow_custom_save_path = False
-    return connector
-
-
-def new_request(req_id: str, kv_transfer_params: dict | None) -> SimpleNamespace:
-    extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
-    return SimpleNamespace(req_id=req_id, sampling_params=SamplingParams(max_tokens=1, extra_args=extra_args))
-
-
-def test_only_requests_that_ask_get_a_file_and_hold_their_blocks(tmp_path: Path):
-    connector = scheduler_connector(tmp_path)
-    requests = [new_request("extract", EXTRACT_REQUEST), new_request("sample", None), new_request("other", {})]
-    meta = connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=requests))
-    assert list(meta.new_req_filenames) == ["extract"]
-
-    def finished(req_id: str, params: dict | None):
-        request = SimpleNamespace(request_id=req_id, kv_transfer_params=params, prompt_token_ids=[1, 2, 3])
-        return connector.request_finished(request, block_ids=[0])
-
-    delay, params = finished("extract", EXTRACT_REQUEST)
-    assert delay and params == {"hidden_states_path": str(tmp_path / "extract.safetensors")}
-    assert finished("sample", None) == (False, None), "a sampling request frees its blocks and writes nothing"
-    assert finished("other", {}) == (False, None)
-    assert [p.req_id for p in connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[])).pending_saves] == [
-        "extract"
-    ]
-
-
-def test_the_marker_is_read_from_the_kv_transfer_params_the_server_copies_into_extra_args():
-    assert wants_hidden_states({"kv_transfer_params": EXTRACT_REQUEST})
-    assert not wants_hidden_states(None)
-    assert not wants_hidden_states({"kv_transfer_params": None})
-    assert not wants_hidden_states({"kv_transfer_params": {"eagle3_extract": False}})
-    assert not wants_hidden_states(EXTRACT_REQUEST), "the marker belongs inside kv_transfer_params"
-
 
 # --- auto: the saved engine start against the slower sampling -----------------------------------------
 
