@@ -7,8 +7,10 @@ target with random bf16 weights (`random_targets.py llama8b`), the same random-t
    engine for every pass below (the connector's folder is a symlink that is re-pointed between passes):
    - `vllm_store_*`: the `vllm` backend through `extract_hidden_states` (the shard loop timed: prefill,
      connector files, read back, validation, fsync'd shard writes), with the connector's per-request files
-     on the run's disk or on a tmpfs (`--shm`), at several shard sizes and requests in flight (a shard's
-     requests are all answered before the next shard's are sent, so at most `samples_per_shard` are in flight);
+     on the run's disk or on a tmpfs (`--shm`), at several shard sizes and requests in flight (the backend
+     keeps the next shards' requests in flight while a shard is collected: `VllmBackend.extract_shards`;
+     before round `stream`, a shard's requests were all answered before the next shard's were sent, so at
+     most `samples_per_shard` were in flight);
    - `connector_only_*`: the same requests through `VllmBackend.extract` alone (states written by the
      connector and read back, no shard written), shard by shard or as one continuous pool;
    - `extraction_engine_no_states*`: the plain pass's requests, asking for no states (last: on vLLM 0.26
@@ -45,6 +47,7 @@ from eagle3_core.events import RunEvents
 from eagle3_core.extraction import phase
 from eagle3_core.extraction.reader import HiddenStateDataset
 from eagle3_core.extraction.vllm_backend import VllmBackend, extraction_args
+from eagle3_core.progress import ProgressUpdate
 from eagle3_core.sampling.table import iter_rows
 from eagle3_core.serving.engine import VllmServer
 from eagle3_core.target.prepare import describe_folder
@@ -57,7 +60,12 @@ COSINE_SAMPLES = 16
 # full-phase passes. Round `levers`: the old run's setting first (shards of 16: at most 16 of the 32 in
 # flight), then the connector's files on a tmpfs and more in flight. Round `writers`: the shard writer's
 # threads (`extraction.writer_threads`), on the disk. Round `fp8`: fp8 quantised in the engine by the
-# connector (half the copy, the files and the shard bytes) beside bf16 at the best setting of `writers`.
+# connector (half the copy, the files and the shard bytes) beside bf16 at the best setting of `writers`. Round
+# `stream`: the next shards' requests in flight while a shard is collected (no barrier at a shard boundary).
+# Round `steady`: the same loop on longer passes (`--samples 768`), fp8 only (bf16 would write 51 GB a pass),
+# the default shard of 64 beside 16, each pass's final drain (the last shards' writes) timed apart. Round
+# `steady_reversed`: shard 64 first (in `steady` it ran after 52 GB of shards), run with the plain engine measured
+# in the same call (`--samples 512` leaves room for its start).
 STORE_PASSES = {
     "levers": [
         ("bf16_disk_shard16_c32", "bf16", "disk", 16, 32, 2),
@@ -80,6 +88,22 @@ STORE_PASSES = {
         ("fp8_disk_shard32_c32_w4", "fp8", "disk", 32, 32, 4),
         ("fp8_disk_shard16_c32_w2", "fp8", "disk", 16, 32, 2),
     ],
+    "stream": [
+        ("fp8_disk_shard16_c32_w2", "fp8", "disk", 16, 32, 2),
+        ("fp8_disk_shard16_c32_w4", "fp8", "disk", 16, 32, 4),
+        ("fp8_disk_shard64_c32_w2", "fp8", "disk", 64, 32, 2),
+        ("fp8_disk_shard16_c64_w2", "fp8", "disk", 16, 64, 2),
+        ("bf16_disk_shard16_c32_w4", "bf16", "disk", 16, 32, 4),
+    ],
+    "steady": [
+        ("fp8_disk_shard16_c32_w2", "fp8", "disk", 16, 32, 2),
+        ("fp8_disk_shard16_c32_w4", "fp8", "disk", 16, 32, 4),
+        ("fp8_disk_shard64_c32_w4", "fp8", "disk", 64, 32, 4),
+    ],
+    "steady_reversed": [
+        ("fp8_disk_shard64_c32_w4", "fp8", "disk", 64, 32, 4),
+        ("fp8_disk_shard16_c32_w2", "fp8", "disk", 16, 32, 2),
+    ],
 }
 # (name, dtype asked of the connector, connector folder, samples per extract call, requests in flight); shard
 # None: one continuous pool.
@@ -93,6 +117,9 @@ CONNECTOR_PASSES = {
     ],
     "writers": [("disk_pool_c32", "bf16", "disk", None, 32)],
     "fp8": [("disk_pool_c32", "bf16", "disk", None, 32), ("disk_pool_c32_fp8", "fp8", "disk", None, 32)],
+    "stream": [("disk_shard16_c32_fp8", "fp8", "disk", 16, 32), ("disk_pool_c32_fp8", "fp8", "disk", None, 32)],
+    "steady": [("disk_pool_c32_fp8", "fp8", "disk", None, 32)],
+    "steady_reversed": [("disk_pool_c32_fp8", "fp8", "disk", None, 32)],
 }
 # The two sets compared state by state, per layer: the tmpfs must not change a state; fp8 from the engine
 # must be the bf16 state within e4m3's rounding.
@@ -100,6 +127,9 @@ COMPARED = {
     "levers": ("bf16_disk_shard16_c32", "bf16_shm_shard128_c64"),
     "writers": (),
     "fp8": ("bf16_disk_shard16_c32_w4", "fp8_disk_shard16_c32_w4"),
+    "stream": (),
+    "steady": (),
+    "steady_reversed": (),
 }
 
 
@@ -141,22 +171,30 @@ def prefill_pass(base_url: str, rows: list[dict[str, Any]], in_flight: int) -> f
 
 def timed_phase(
     config: PipelineConfig, samples: SampleSet, target: TargetModel, server: Any
-) -> tuple[HiddenStateSet, float]:
-    """The extraction phase on `server` (None: the hf backend loads the target); the shard loop's seconds."""
+) -> tuple[HiddenStateSet, float, float]:
+    """The extraction phase on `server` (None: the hf backend loads the target): the shard loop's seconds and
+    its drain, the seconds from the last shard handed to the writer to the loop's end (its last writes, which
+    a run pays once whatever its length)."""
     spent: list[float] = []
+    handed: list[float] = []
     run_shards = phase.run_shards
 
     def timed(*args: Any, **kwargs: Any) -> None:
         start = time.perf_counter()
         run_shards(*args, **kwargs)
-        spent.append(time.perf_counter() - start)
+        spent.extend((time.perf_counter() - start, time.perf_counter()))
+
+    def progress(update: ProgressUpdate) -> None:
+        if update.stage == "samples":
+            handed.append(time.perf_counter())
 
     phase.run_shards = timed
     try:
-        states = phase.extract_hidden_states(config, samples, target, RunEvents(config.run_dir), server=server)
+        states = phase.extract_hidden_states(config, samples, target, RunEvents(config.run_dir), progress, server)
     finally:
         phase.run_shards = run_shards
-    return states, spent[0]
+    seconds, ended = spent
+    return states, seconds, ended - handed[-1]
 
 
 def connector_pass(
@@ -189,11 +227,14 @@ def rate_of(tokens_per_s: float, plain_rate: float) -> dict[str, float]:
     return {"tokens_per_s": round(tokens_per_s), "vs_plain_engine": round(tokens_per_s / plain_rate, 3)}
 
 
-def stored(states: HiddenStateSet, seconds: float, plain_rate: float) -> dict[str, float]:
+def stored(states: HiddenStateSet, seconds: float, plain_rate: float, drain_s: float) -> dict[str, float]:
+    """The pass's rate, and without its drain: the rate of a run long enough that its last writes do not count."""
     written = states.bytes_per_token * states.tokens
     return rate_of(states.tokens / seconds, plain_rate) | {
         "bytes_per_token": round(states.bytes_per_token, 1),
         "gb_written": round(written / 1e9, 2),
+        "drain_s": round(drain_s, 2),
+        "vs_plain_engine_without_drain": round(states.tokens / (seconds - drain_s) / plain_rate, 3),
     }
 
 
@@ -295,7 +336,7 @@ def run(
                 point(link, folders[where])
                 store = pipeline_config(work / f"vllm-{name}", tokens, dtype=dtype, shard=shard, in_flight=in_flight,
                                         writers=writers)  # fmt: skip
-                states, seconds = timed_phase(store, sample_set, target, server)
+                states, seconds, drain_s = timed_phase(store, sample_set, target, server)
                 if name in COMPARED[round_]:
                     sets[name] = states  # compared below: the tmpfs must not change a state
                 else:
@@ -303,10 +344,10 @@ def run(
                 where_and_how = {
                     "connector_files": where,
                     "samples_per_shard": shard,
-                    "in_flight": min(shard, in_flight),
+                    "in_flight": in_flight,
                     "writer_threads": writers,
                 }
-                return stored(states, seconds, plain_rate) | where_and_how
+                return stored(states, seconds, plain_rate, drain_s) | where_and_how
 
             results.measure(f"vllm_store_{name}", store_pass)
         for name, dtype, where, shard, in_flight in CONNECTOR_PASSES[round_]:
@@ -337,10 +378,10 @@ def run(
 
         def hf_pass() -> dict[str, Any]:
             hf_config = pipeline_config(work / "hf-bf16", tokens, backend="hf")
-            hf_states, seconds = timed_phase(hf_config, sample_set, target, None)
+            hf_states, seconds, drain_s = timed_phase(hf_config, sample_set, target, None)
             vllm_states = sets["bf16_disk_shard16_c32"]
             results["cosine_vllm_vs_hf_per_layer"] = layer_cosines(vllm_states, hf_states, COSINE_SAMPLES)
-            return stored(hf_states, seconds, plain_rate)
+            return stored(hf_states, seconds, plain_rate, drain_s)
 
         results.measure("hf_store_bf16", hf_pass)
     results.save()

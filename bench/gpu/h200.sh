@@ -13,8 +13,9 @@
 #                                   under $T when /dev/shm has < 8 GB free), several shard sizes and
 #                                   requests in flight; LIMIT_HF=1 adds the hf backend and its cosines;
 #                                   LIMIT_ROUND=writers the shard writer's threads instead, LIMIT_ROUND=fp8 fp8
-#                                   quantised in the engine beside bf16, LIMIT_PLAIN_RATE=N
-#                                   skips the plain engine (its rate measured before)
+#                                   quantised in the engine beside bf16, LIMIT_ROUND=stream the shard loop
+#                                   with no barrier at shard boundaries; LIMIT_PLAIN_RATE=N skips the plain
+#                                   engine (its rate measured before); LIMIT_SAMPLES=N samples (128)
 #   bash bench/gpu/h200.sh quality  (vLLM and SGLang staged) issue 28's screening, bench/gpu/quality_runs.py:
 #                                   sample sets, variants, served acceptance in vLLM, then SGLang beside it
 #                                   (STAGES=samples,training,served,sglang adds the last, off by default)
@@ -218,7 +219,7 @@ case ${1:-} in
     echo "[h200.sh] connector tmpfs: $SHM" | tee -a "$OUT/steps.log"
     timed timeout -s TERM -k 20 $((END - SECONDS - 30)) python3 -m bench.gpu.extraction_limit --target "$T/llama8b" \
       --work "$T/limit" --out "$OUT/limit.json" --shm "$SHM" ${LIMIT_HF:+--hf} ${LIMIT_ROUND:+--round "$LIMIT_ROUND"} \
-      ${LIMIT_PLAIN_RATE:+--plain-rate "$LIMIT_PLAIN_RATE"} 2>&1 | grep -v " | DEBUG" | tail -60
+      ${LIMIT_PLAIN_RATE:+--plain-rate "$LIMIT_PLAIN_RATE"} ${LIMIT_SAMPLES:+--samples "$LIMIT_SAMPLES"} 2>&1 | grep -v " | DEBUG" | tail -60
     backends "$T/limit/extract" | tee "$OUT/limit-backends.txt"
     tail -c 300000 "$T/limit/extract/server/extraction.log" >"$OUT/limit-extraction.log" 2>/dev/null
     rm -rf "$T/limit"

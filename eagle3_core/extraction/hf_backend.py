@@ -12,6 +12,7 @@ Imports only torch and transformers (the GPU benchmark runs it where pydantic is
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -140,6 +141,10 @@ class HfBackend:
             ready = torch.cuda.Event()
             ready.record()
         return [states[i] for i in range(len(rows))], ready
+
+    def extract_shards(self, shards: Iterable[list[SampleRow]]) -> Iterator[tuple[list[SampleStates], object | None]]:
+        """One shard after the other: the decoder runs one forward pass at a time."""
+        return (self.extract(rows) for rows in shards)
 
     def close(self) -> None:
         self.decoder = None

@@ -224,7 +224,7 @@ def run_shards(
     progress: ProgressCallback,
 ) -> None:
     """Extract the pending shards; background threads validate and write each one while the next
-    shard's prefill runs."""
+    shards' prefill runs (the vllm backend keeps the next shards' requests in flight meanwhile)."""
     total_samples = sum(len(shards[i]) for i in pending)
     meter = RateMeter()
     counts = {"samples": 0, "tokens": 0, "shards": 0}
@@ -244,8 +244,8 @@ def run_shards(
         return done
 
     with BackgroundShardWriter(workers=extraction.writer_threads) as writer:
-        for i in pending:
-            states, ready = backend.extract(shards[i])
+        extracted = backend.extract_shards(shards[i] for i in pending)
+        for i, (states, ready) in zip(pending, extracted, strict=True):
             writer.submit(
                 out_dir / shard_name(i),
                 states,

@@ -22,7 +22,7 @@ import json
 import math
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypedDict
@@ -97,6 +97,10 @@ class ExtractionBackend(Protocol):
     def extract(self, rows: list[SampleRow]) -> tuple[list[SampleStates], object | None]:
         """The states of every row, in order, and what the shard writer waits for before reading them (a
         CUDA event of the copies to the host), or None."""
+        ...
+
+    def extract_shards(self, shards: Iterable[list[SampleRow]]) -> Iterator[tuple[list[SampleStates], object | None]]:
+        """`extract` of each shard, in order; a backend that can overlap the shards does."""
         ...
 
     def close(self) -> None:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import torch
@@ -41,6 +42,7 @@ from eagle3_core.serving.engine import ENGINE_EXIT_WAIT_S, EngineDied, EngineExi
 from eagle3_core.serving.shared import CONTEXT_MARGIN, SharedServer, running_server
 
 PHASE = EXTRACTION.name
+Submitted = TypeVar("Submitted")
 
 
 class ServerAnswerError(ShardError):
@@ -113,6 +115,25 @@ def read_states_file(path: Path) -> dict[str, torch.Tensor]:
     return data
 
 
+def submitted_ahead(
+    shards: Iterable[list[SampleRow]], submit: Callable[[list[SampleRow]], Submitted], rows_ahead: int
+) -> Iterator[tuple[list[SampleRow], Submitted]]:
+    """Submit the shards in order and hand out each one (its rows and what `submit` returned) only once
+    `rows_ahead` rows of later shards are submitted too, or none are left: the work behind a shard keeps
+    the engine busy while that shard is collected."""
+    queued: deque[tuple[list[SampleRow], Submitted]] = deque()
+    queued_rows = 0  # rows submitted and not yet handed out
+    for rows in shards:
+        queued.append((rows, submit(rows)))
+        queued_rows += len(rows)
+        while len(queued) > 1 and queued_rows - len(queued[0][0]) >= rows_ahead:
+            head = queued.popleft()
+            queued_rows -= len(head[0])
+            yield head
+    while queued:
+        yield queued.popleft()
+
+
 class VllmBackend:
     """Sends a shard's samples to a running extraction server, `concurrency` requests at a time, asking for
     the states as `dtype` (`extraction.dtype`)."""
@@ -130,6 +151,7 @@ class VllmBackend:
         self.transfer_params = extract_request(dtype)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s)
+        self.in_flight = concurrency
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="extract-request")
         models = self.client.get("/v1/models")
         models.raise_for_status()
@@ -160,18 +182,34 @@ class VllmBackend:
             raise ShardError(f"sample {row['id']}: no hidden_states_path in the answer; is the connector set?")
         return sample_states(row, read_states_file(Path(path)))
 
-    def extract(self, rows: list[SampleRow]) -> tuple[list[SampleStates], None]:
+    def submit(self, rows: list[SampleRow]) -> list[Future[SampleStates]]:
+        return [self.pool.submit(self.extract_one, row) for row in rows]
+
+    def collect(self, rows: list[SampleRow], futures: list[Future[SampleStates]]) -> list[SampleStates]:
         """The states of one shard's samples; `EngineDied` when the engine died meanwhile."""
         try:
-            return list(self.pool.map(self.extract_one, rows)), None
+            return [future.result() for future in futures]
         except Exception as exc:
             report = self.engine_exit(ENGINE_EXIT_WAIT_S if engine_may_have_died(exc) else 0)
             if report is None:
                 raise
             raise EngineDied(f"extraction engine died mid-shard ({len(rows)} samples, none kept): {report}") from exc
 
+    def extract(self, rows: list[SampleRow]) -> tuple[list[SampleStates], None]:
+        """The states of one shard's samples."""
+        return self.collect(rows, self.submit(rows)), None
+
+    def extract_shards(self, shards: Iterable[list[SampleRow]]) -> Iterator[tuple[list[SampleStates], None]]:
+        """Each shard's states, in order. Later shards' requests are sent before a shard is collected, as many
+        as are in flight (`submitted_ahead`): the engine never drains at a shard boundary while the last
+        requests of a shard finish. Host memory holds at most one shard plus `in_flight` samples' states
+        beyond what the shard writer queues."""
+        for rows, futures in submitted_ahead(shards, self.submit, self.in_flight):
+            yield self.collect(rows, futures), None
+
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        """Stop the requests not yet sent (a failed shard leaves later shards' requests queued)."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
         self.client.close()
 
 
