@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import httpx
 import torch
+from safetensors import SafetensorError
 
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
@@ -53,9 +54,16 @@ class ServerAnswerError(ShardError):
         self.status = status
 
 
+class StatesFileError(ShardError):
+    """The connector's file named in an answer is missing or unreadable."""
+
+
 def engine_may_have_died(exc: BaseException) -> bool:
-    """Failures a dying engine causes: a lost connection, or a 5xx answer while it shuts down."""
-    return isinstance(exc, httpx.TransportError) or (isinstance(exc, ServerAnswerError) and exc.status >= 500)
+    """Failures a dying engine causes: a lost connection, a 5xx answer while it shuts down, or an answered
+    request whose file its killed worker never finished (the file's lock dies with the worker)."""
+    return isinstance(exc, httpx.TransportError | StatesFileError) or (
+        isinstance(exc, ServerAnswerError) and exc.status >= 500
+    )
 
 
 def server_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
@@ -180,7 +188,13 @@ class VllmBackend:
         path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
             raise ShardError(f"sample {row['id']}: no hidden_states_path in the answer; is the connector set?")
-        return sample_states(row, read_states_file(Path(path)))
+        try:
+            data = read_states_file(Path(path))
+        except (OSError, SafetensorError) as exc:
+            raise StatesFileError(
+                f"sample {row['id']}: the connector's file {path} is missing or unreadable: {exc}"
+            ) from exc
+        return sample_states(row, data)
 
     def submit(self, rows: list[SampleRow]) -> list[Future[SampleStates]]:
         return [self.pool.submit(self.extract_one, row) for row in rows]

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_core.extraction.connector import STATES
-from eagle3_core.extraction.vllm_backend import ServerAnswerError, VllmBackend, submitted_ahead
+from eagle3_core.extraction.vllm_backend import ServerAnswerError, StatesFileError, VllmBackend, submitted_ahead
 from eagle3_core.serving.engine import EngineDied
 from tasks.policy import is_deterministic
 
@@ -52,12 +52,14 @@ class StandIn(BaseHTTPRequestHandler):
 
 
 class ConnectorEngine(StandIn):
-    """Answers a completion after `hold(first_token)` returns; a first token in `refused` gets a 400."""
+    """Answers a completion after `hold(first_token)` returns; a first token in `refused` gets a 400, one in
+    `lost` an answer whose file was never written (only its lock, as a worker killed mid-write leaves it)."""
 
     storage: Path
     arrivals: list[int]
     hold: staticmethod
     refused: frozenset[int] = frozenset()
+    lost: frozenset[int] = frozenset()
 
     def do_POST(self):
         ids = json.loads(self.rfile.read(int(self.headers["content-length"])))["prompt"]
@@ -68,7 +70,8 @@ class ConnectorEngine(StandIn):
             return
         path = self.storage / f"{ids[0]}.safetensors"
         states = torch.full((len(ids), 4, HIDDEN), float(ids[0]), dtype=torch.bfloat16)  # [T, 4, H]
-        save_file({STATES: states, "token_ids": torch.tensor(ids)}, str(path))
+        if ids[0] not in self.lost:
+            save_file({STATES: states, "token_ids": torch.tensor(ids)}, str(path))
         Path(f"{path}.lock").touch()
         body = {"choices": [{"prompt_token_ids": ids}], "kv_transfer_params": {"hidden_states_path": str(path)}}
         self.reply(200, body)
@@ -88,8 +91,9 @@ def serve(handler: type[StandIn]) -> tuple[str, ThreadingHTTPServer]:
 
 @pytest.fixture
 def engine(tmp_path):
-    def start(hold, refused: frozenset[int] = frozenset()) -> tuple[str, type[ConnectorEngine]]:
-        handler = type("Engine", (ConnectorEngine,), {"storage": tmp_path, "arrivals": [], "refused": refused})
+    def start(hold, refused=frozenset(), lost=frozenset()) -> tuple[str, type[ConnectorEngine]]:
+        fields = {"storage": tmp_path, "arrivals": [], "refused": refused, "lost": lost}
+        handler = type("Engine", (ConnectorEngine,), fields)
         handler.hold = staticmethod(hold)
         url, httpd = serve(handler)
         started.append(httpd)
@@ -188,6 +192,35 @@ def test_a_5xx_from_a_running_engine_stays_the_shards_failure(dead_core_url):
     try:
         with pytest.raises(ServerAnswerError, match="server answered 500") as info:
             backend.extract(ROWS)
+    finally:
+        backend.close()
+    assert is_deterministic(info.value)
+
+
+def test_an_answer_whose_file_never_came_fails_with_engine_died_once_the_engine_is_gone(engine):
+    waits: list[float] = []
+
+    def exited(wait_s: float) -> str | None:
+        waits.append(wait_s)
+        return "vLLM server pid 9 (extraction) died: exit code 0" if wait_s > 0 else None
+
+    url, _ = engine(lambda first_token: None, lost=frozenset({2}))
+    backend = VllmBackend(url, None, 2, 10, exited)
+    try:
+        with pytest.raises(EngineDied, match="died: exit code 0") as info:
+            backend.extract(rows_of(2))
+    finally:
+        backend.close()
+    assert waits and waits[0] > 0, "a missing file waits for the engine to exit: its worker may have been killed"
+    assert not is_deterministic(info.value)
+
+
+def test_a_missing_file_from_a_running_engine_names_the_sample_and_the_file(engine, tmp_path):
+    url, _ = engine(lambda first_token: None, lost=frozenset({2}))
+    backend = VllmBackend(url, None, 2, 10, lambda wait_s: None)
+    try:
+        with pytest.raises(StatesFileError, match=f"sample s1: the connector's file {tmp_path}/2.safetensors") as info:
+            backend.extract(rows_of(2))
     finally:
         backend.close()
     assert is_deterministic(info.value)
