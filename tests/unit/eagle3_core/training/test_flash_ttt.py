@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from eagle3_core.training.attention import document_causal_mask, ttt_attention_eager
+from eagle3_core.training.batches import collate_host
 from eagle3_core.training.flash_ttt import ReferenceKernel, UnionAttention, document_spans, document_starts
-from eagle3_core.training.loop import collate_host
 
 
 def random_steps(batch: int, heads: int, kv_heads: int, length: int, dim: int, steps: int, seed: int = 0):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3_core.training.loop import collate
+from eagle3_core.training.batches import collate
 from eagle3_core.training.noise import REFERENCE_LENGTH, noise_seed, noisy_aux
 from tests.helpers.training_data import CPU, synthetic_data
 

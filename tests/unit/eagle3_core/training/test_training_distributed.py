@@ -93,8 +93,8 @@ def gradient_worker(rank: int, world: int, port: int, out: str) -> None:
     )
     import torch.distributed as dist
 
+    from eagle3_core.training.batches import collate
     from eagle3_core.training.distributed import init_group, wrap
-    from eagle3_core.training.loop import collate
 
     torch.set_num_threads(1)
     group = init_group("cpu")
