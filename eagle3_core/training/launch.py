@@ -17,9 +17,8 @@ resumes from the last checkpoint).
   rank's stdout, stderr and error record under `launch/logs/<run id>/attempt_0/<rank>/`; the agent's own
   output, with every rank's teed, is `launch/logs/torchrun.log`. The logs of the launch before are kept
   once, as `launch/logs.previous/`.
-- A failed rank fails the task with `RankFailed`: the rank that failed first (torchrun's error records),
-  its error, traceback and log tail. The rank's exception is its cause, so the task's retry condition
-  judges it as it would in-process (an injected fault or a bad input is not retried).
+- A failed rank fails the task with `RankFailed` (`rank_failure`): the rank that failed first, its error,
+  traceback and log tail, caused by the rank's own exception.
 - Across hosts (`orchestration.hosts` > 1): every host's child run (`orchestration.host` = its node) starts
   its agent with `--nnodes N --node-rank i` and the c10d rendezvous on `orchestration.rendezvous_host:port`,
   its launch folder and pid file its own (`launch/host-<i>-of-<N>/`, `server/training-host-<i>-of-<N>.pid`).
@@ -34,7 +33,6 @@ resumes from the last checkpoint).
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -56,7 +54,7 @@ from eagle3_core.hosts import host_slice
 from eagle3_core.preflight import visible_gpus
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
 from eagle3_core.run_layout import RunLayout
-from eagle3_core.serving.lifecycle import LogTail, exit_description, log_excerpt
+from eagle3_core.serving.lifecycle import LogTail
 from eagle3_core.serving.parent_death import die_with_launcher, die_with_parent
 from eagle3_core.serving.processes import POLL_S, stop_server, write_pid_file
 from eagle3_core.training.phase import (
@@ -67,26 +65,19 @@ from eagle3_core.training.phase import (
     train_draft,
     upstream_of,
 )
+from eagle3_core.training.rank_failure import AGENT_LOG, RankFailed, launch_failure
 
 LAUNCH_ENV = "EAGLE3_LAUNCH_DIR"
 CONFIG_FILE = "config.yaml"
 PROGRESS_FILE = "progress.jsonl"
 LOGS_DIR = "logs"
 PREVIOUS_LOGS_DIR = "logs.previous"
-AGENT_LOG = "torchrun.log"
 # SIGTERM to SIGKILL when the task stops a launch: torchrun's own default shutdown timeout.
 STOP_GRACE_S = 30.0
 GPU_RELEASE_S = 120.0
-TRACEBACK_LINES = 30
-# Where a rank's exception class may be looked up again in this process (`rank_exception`).
-KNOWN_MODULES = ("builtins", "eagle3_core", "torch")
 
 LogCallback = Callable[[str], None]
 log = logging.getLogger("eagle3.training")
-
-
-class RankFailed(RuntimeError):
-    """A rank of a launched training failed; the message names it, its error and its log's last lines."""
 
 
 def resolve_processes(setting: int | str, device: str, visible: int) -> int:
@@ -200,94 +191,6 @@ def launched_rank() -> AbstractContextManager[ProgressCallback] | None:
     if int(os.environ.get("RANK", "0")) != 0:
         return nullcontext(ignore_progress)
     return progress_writer(Path(launch_dir) / PROGRESS_FILE)
-
-
-@dataclass(frozen=True)
-class RankError:
-    """One rank's error record (`error.json`, written by torch's `record` in `eagle3 train`)."""
-
-    rank: int
-    message: str  # "ValueError: ..."
-    traceback: str
-    timestamp: int
-    log: Path  # the rank's stderr
-
-
-def rank_errors(log_dir: Path) -> list[RankError]:
-    """The error records torchrun kept under `log_dir` (`<run id>/attempt_<n>/<rank>/error.json`), the
-    first failure first. A record that cannot be read is left out."""
-    errors = []
-    for path in log_dir.glob("*/attempt_*/*/error.json"):
-        try:
-            record = json.loads(path.read_text())["message"]
-            extra = record["extraInfo"]
-            errors.append(
-                RankError(
-                    int(path.parent.name),
-                    record["message"],
-                    extra["py_callstack"],
-                    int(extra["timestamp"]),
-                    path.with_name("stderr.log"),
-                )
-            )
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return sorted(errors, key=lambda error: (error.timestamp, error.rank))
-
-
-def exception_class_name(message: str, traceback: str) -> str | None:
-    """The dotted class name of a rank's exception: `message` starts with its bare name (`PreflightError:
-    ...`), and the traceback's line of that exception with the name as Python prints it
-    (`eagle3_core.preflight.PreflightError: ...`; a builtin bare)."""
-    bare = message.partition(":")[0]
-    for line in reversed(traceback.splitlines()):
-        name = line.partition(":")[0]
-        if name == bare or name.endswith(f".{bare}"):
-            return name
-    return None
-
-
-def rank_exception(error: RankError) -> BaseException | None:
-    """The rank's exception made again here, of its own class (a builtin, or one of this package or torch)
-    and with its text, so a retry condition can judge it; None where the class cannot be found."""
-    name = exception_class_name(error.message, error.traceback)
-    if name is None:
-        return None
-    module, _, class_name = name.rpartition(".")
-    module = module or "builtins"
-    if module.split(".")[0] not in KNOWN_MODULES:
-        return None
-    try:
-        kind = getattr(importlib.import_module(module), class_name)
-        exception = kind.__new__(kind)
-        BaseException.__init__(exception, error.message.partition(": ")[2])
-    except Exception:
-        return None
-    return exception if isinstance(exception, BaseException) else None
-
-
-def last_lines(text: str, count: int) -> str:
-    return "\n".join(text.rstrip().splitlines()[-count:])
-
-
-def launch_failure(returncode: int, log_dir: Path) -> RankFailed:
-    """Why a launch ended with `returncode`: the first rank's error, its traceback and log tail, caused by
-    that rank's exception; without an error record (a rank killed by a signal), the agent's log tail."""
-    errors = rank_errors(log_dir)
-    if not errors:
-        return RankFailed(
-            f"torchrun ended with {exit_description(returncode)}; no rank left an error record; "
-            f"{log_excerpt(log_dir / AGENT_LOG)}"
-        )
-    first = errors[0]
-    others = [error.rank for error in errors[1:]]
-    failure = RankFailed(
-        f"training rank {first.rank} failed: {first.message}"
-        + (f" (then ranks {others} failed too)" if others else "")
-        + f"\n{last_lines(first.traceback, TRACEBACK_LINES)}\nrank {first.rank}'s {log_excerpt(first.log)}"
-    )
-    failure.__cause__ = rank_exception(first)
-    return failure
 
 
 class TorchrunLaunch:

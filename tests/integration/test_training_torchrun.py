@@ -36,7 +36,8 @@ from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.run_layout import EXPORT, RunLayout
 from eagle3_core.serving.engine import free_port
 from eagle3_core.target.prepare import prepare_target
-from eagle3_core.training.launch import LOGS_DIR, RankFailed, train_draft_on_host
+from eagle3_core.training.launch import LOGS_DIR, train_draft_on_host
+from eagle3_core.training.rank_failure import RankFailed
 from eagle3_core.vocab import build_vocab_map
 from tasks.hosts import on_host
 from tasks.policy import is_deterministic
