@@ -383,7 +383,8 @@ class DraftKVCache:
 
 class Eagle3Draft(nn.Module):
     """Building blocks for training (`eagle3_core.training.unroll` unrolls train-time test with them).
-    Decoding: `step` / `propose` with a `DraftKVCache`. Construction: `from_target` (fresh);
+    Decoding: one `step` with a `DraftKVCache` (the chain of steps is the runner's:
+    `eagle3_core.evaluation.speculative.propose_chain`). Construction: `from_target` (fresh);
     `eagle3_core.draft.export.load_exported` reads an exported folder back."""
 
     def __init__(self, config: DraftConfig):
@@ -473,30 +474,6 @@ class Eagle3Draft(nn.Module):
 
         out = self.midlayer(hidden[None].to(self.fc.weight.dtype), self.embed(input_ids)[None], positions, attend)
         return self.compute_logits(out[0]), self.next_state(out[0])
-
-    @torch.no_grad()
-    def propose(
-        self, cache: DraftKVCache, aux: torch.Tensor, next_ids: torch.Tensor, num_tokens: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy chain of `num_tokens` draft tokens after newly verified positions.
-
-        aux [n, 3, Ht]: target states of the n positions verified since the last call (the whole prompt
-        the first time); next_ids [n]: the TARGET token following each of them (the last one is the
-        target's newly sampled token). The cache keeps the verified entries and drops the chain, so the
-        next call passes only the positions verified next. Returns (target ids [num_tokens],
-        draft logits [num_tokens, Vd])."""
-        logits, hidden = self.step(cache, self.combine_aux(aux), next_ids)
-        verified = cache.length
-        tokens, all_logits = [], []
-        current_logits, current_hidden = logits[-1:], hidden[-1:]
-        for _ in range(num_tokens):
-            token = self.draft_to_target(current_logits.argmax(-1))  # [1]
-            tokens.append(token)
-            all_logits.append(current_logits)
-            if len(tokens) < num_tokens:
-                current_logits, current_hidden = self.step(cache, current_hidden, token)
-        cache.truncate(verified)
-        return torch.cat(tokens), torch.cat(all_logits)
 
     # ---- construction ------------------------------------------------------------------------------------
     @classmethod

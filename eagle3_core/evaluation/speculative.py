@@ -1,5 +1,5 @@
 """Measurement (a): greedy chain speculative decoding with the target in transformers and the exported
-draft (`Eagle3Draft.propose`), the reference the vLLM measurement is compared with.
+draft (`propose_chain`), the reference the vLLM measurement is compared with.
 
 One step: the draft proposes k tokens after the last emitted token; the target verifies all of them in
 one forward pass of k+1 tokens; the longest prefix that equals the target's own greedy choices is
@@ -127,6 +127,40 @@ def accepted_prefix(proposal: list[int], greedy: list[int]) -> int:
     return count
 
 
+@torch.no_grad()
+def propose_chain(
+    draft: Eagle3Draft, cache: DraftKVCache, aux: torch.Tensor, next_ids: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's greedy chain of `num_tokens` tokens after newly verified positions.
+
+    aux [n, 3, Ht]: target states of the n positions verified since the last call (the whole prompt the
+    first time); next_ids [n]: the TARGET token following each of them (the last one is the target's newly
+    sampled token). The cache keeps the verified entries and drops the chain, so the next call passes only
+    the positions verified next. Returns (target ids [num_tokens], draft logits [num_tokens, Vd])."""
+    # 1. The verified positions enter the cache, read from the target's states.
+    logits, hidden = draft.step(cache, draft.combine_aux(aux), next_ids)  # [n, Vd], [n, H]
+    verified = cache.length
+    tokens, chain_logits = [], []
+    current_logits, current_hidden = logits[-1:], hidden[-1:]  # [1, Vd], [1, H]
+    for _ in range(num_tokens):
+        # 2. The greedy draft token, as a target id.
+        token = draft.draft_to_target(current_logits.argmax(-1))  # [1]
+        tokens.append(token)
+        chain_logits.append(current_logits)
+        # 3. The next step reads the draft's own state, not the target's.
+        if len(tokens) < num_tokens:
+            current_logits, current_hidden = draft.step(cache, current_hidden, token)
+    # 4. Only verified entries stay: the target decides which chain tokens become verified.
+    cache.truncate(verified)
+    return torch.cat(tokens), torch.cat(chain_logits)
+
+
+# What makes the k draft tokens of a step: (draft, cache, aux, next_ids, k) -> (target ids [k], logits or None).
+Proposer = Callable[
+    [Eagle3Draft, DraftKVCache, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]
+]
+
+
 def speculative_generate(
     model,
     draft: Eagle3Draft,
@@ -134,10 +168,11 @@ def speculative_generate(
     max_new_tokens: int,
     k: int,
     eos_ids: set[int],
+    propose: Proposer = propose_chain,
 ) -> DecodeResult:
     """Greedy chain speculative decoding of one prompt; returns at most `max_new_tokens` target ids,
     ending at the first end-of-sequence token, and the acceptance counts of every verification step.
-    The draft must be on the target's device."""
+    The draft must be on the target's device; `propose` makes its k tokens a step."""
     layer_ids = list(draft.config.aux_layer_ids)
     timer = StepTimer(model.device)
     stats = AcceptanceStats(k)
@@ -149,7 +184,7 @@ def speculative_generate(
     new_aux, next_ids = aux, [*prompt_ids[1:], tokens[-1]]
     while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
         with timer.measure("draft"):
-            proposal_ids, _ = draft.propose(draft_cache, new_aux, torch.tensor(next_ids, device=model.device), k)
+            proposal_ids, _ = propose(draft, draft_cache, new_aux, torch.tensor(next_ids, device=model.device), k)
         proposal = proposal_ids.tolist()
         verified_length = cache.get_seq_length()  # every token but the last emitted one
         with timer.measure("target"):

@@ -75,17 +75,6 @@ def test_decoding_chain_equals_training_unroll() -> None:
         assert cache.length == start + steps
 
 
-def test_propose_returns_target_ids_and_keeps_only_verified_entries() -> None:
-    draft = tiny_draft()
-    aux, input_ids, _, _ = random_batch(draft, [6])
-    cache = DraftKVCache()
-    tokens, logits = draft.propose(cache, aux[0], input_ids[0], num_tokens=3)
-    assert tokens.shape == (3,) and logits.shape == (3, draft.config.draft_vocab_size)
-    assert cache.length == 6
-    assert bool(draft.t2d[tokens].all())
-    assert torch.equal(tokens[0], draft.draft_to_target(logits[0].argmax()))
-
-
 def test_embeddings_are_frozen_and_names_match_the_checkpoint_layout() -> None:
     draft = tiny_draft()
     trainable = {name for name, p in draft.named_parameters() if p.requires_grad}

@@ -13,11 +13,13 @@ from eagle3_core.evaluation.speculative import (
     eos_token_ids,
     greedy_generate,
     load_target,
+    propose_chain,
     render_prompt,
     speculative_generate,
     torch_threads,
 )
 from eagle3_core.target.models import default_aux_layer_ids
+from tests.helpers.drafts import random_batch, tiny_draft
 from tests.helpers.evaluation_fixtures import random_draft, varied_tiny_target
 
 MESSAGES = [
@@ -66,6 +68,17 @@ class OracleDraft:
         return torch.tensor(proposal), None
 
 
+def test_propose_returns_target_ids_and_keeps_only_verified_entries() -> None:
+    draft = tiny_draft()
+    aux, input_ids, _, _ = random_batch(draft, [6])
+    cache = DraftKVCache()
+    tokens, logits = propose_chain(draft, cache, aux[0], input_ids[0], num_tokens=3)
+    assert tokens.shape == (3,) and logits.shape == (3, draft.config.draft_vocab_size)
+    assert cache.length == 6
+    assert bool(draft.t2d[tokens].all())
+    assert torch.equal(tokens[0], draft.draft_to_target(logits[0].argmax()))
+
+
 def test_oracle_draft_acceptance_is_counted_exactly_and_fed_states_match_a_full_forward(tiny) -> None:
     model, tokenizer, target = tiny
     eos = eos_token_ids(model, tokenizer)
@@ -74,7 +87,7 @@ def test_oracle_draft_acceptance_is_counted_exactly_and_fed_states_match_a_full_
     reference = greedy_generate(model, prompt, new_tokens + k + 2, set())  # long enough for every proposal
     layer_ids = default_aux_layer_ids(target.num_layers)
     oracle = OracleDraft(layer_ids, prompt + reference, k, seed=1)
-    result = speculative_generate(model, oracle, prompt, new_tokens, k, set())
+    result = speculative_generate(model, oracle, prompt, new_tokens, k, set(), propose=OracleDraft.propose)
 
     assert result.tokens == reference[:new_tokens]
     assert len(set(result.tokens)) > new_tokens // 2  # a varied text, not one token repeated

@@ -19,6 +19,7 @@ from eagle3_core.config import TrainingConfig
 from eagle3_core.draft.export import RECIPE_FLAGS, export_draft, load_exported
 from eagle3_core.draft.model import DraftKVCache, Eagle3Draft
 from eagle3_core.dtypes import resolve_dtype
+from eagle3_core.evaluation.speculative import propose_chain
 from eagle3_core.events import RunEvents
 from eagle3_core.faults import ENV, InjectedFault, faulting_progress
 from eagle3_core.progress import ignore_progress
@@ -129,7 +130,9 @@ def test_export_carries_flags_and_norm_weights(tmp_path: Path, flags: dict) -> N
     for name, tensor in draft.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     aux, ids = torch.randn(5, 3, 32), torch.randint(0, 97, (5,))
-    assert torch.equal(draft.propose(DraftKVCache(), aux, ids, 3)[0], loaded.propose(DraftKVCache(), aux, ids, 3)[0])
+    assert torch.equal(
+        propose_chain(draft, DraftKVCache(), aux, ids, 3)[0], propose_chain(loaded, DraftKVCache(), aux, ids, 3)[0]
+    )
 
 
 def test_linear_schedule_decays_to_the_floor() -> None:

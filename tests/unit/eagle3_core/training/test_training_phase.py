@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from eagle3_core.config import PipelineConfig
 from eagle3_core.draft.export import load_exported
 from eagle3_core.draft.model import DraftKVCache
+from eagle3_core.evaluation.speculative import propose_chain
 from eagle3_core.events import CACHE_HIT, PREFLIGHT, RunEvents
 from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.training import phase
@@ -60,7 +61,7 @@ def test_train_draft_end_to_end(request, tmp_path, sample_set, target_name, ema_
     assert exported_config["draft_vocab_size"] == 300
     assert exported_config["hidden_size"] == target.hidden_size
     draft = load_exported(export, target.root_path)
-    tokens, _ = draft.propose(DraftKVCache(), torch.randn(5, 3, target.hidden_size), torch.arange(5), 3)
+    tokens, _ = propose_chain(draft, DraftKVCache(), torch.randn(5, 3, target.hidden_size), torch.arange(5), 3)
     assert bool(draft.t2d[tokens].all())
     assert (checkpoint.root_path / "state" / "step-00000004.pt").exists()
     curves = [checkpoint.root_path / name for name in ("training_curves.png", "curves.jsonl", "tensorboard")]
