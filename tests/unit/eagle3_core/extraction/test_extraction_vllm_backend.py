@@ -10,9 +10,8 @@
 
 from __future__ import annotations
 
-import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from eagle3_core.extraction.connector import STATES
 from eagle3_core.extraction.vllm_backend import ServerAnswerError, StatesFileError, VllmBackend, submitted_ahead
 from eagle3_core.serving.engine import EngineDied
 from tasks.policy import is_deterministic
+from tests.helpers.openai_standin import OpenAIStandIn, serving
 
 HIDDEN = 8
 WAIT_S = 5.0
@@ -34,27 +34,11 @@ def rows_of(count: int) -> list[dict]:
     return [{"id": f"s{i}", "input_ids": [i + 1, 7, 7], "loss_mask": [0, 1, 1]} for i in range(count)]
 
 
-class StandIn(BaseHTTPRequestHandler):
-    """Lists one model; subclasses answer the completions."""
-
-    def log_message(self, *args):
-        pass
-
-    def reply(self, code: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):
-        self.reply(200, {"data": [{"id": "target"}]})
-
-
-class ConnectorEngine(StandIn):
+class ConnectorEngine(OpenAIStandIn):
     """Answers a completion after `hold(first_token)` returns; a first token in `refused` gets a 400, one in
     `lost` an answer whose file was never written (only its lock, as a worker killed mid-write leaves it)."""
 
+    model_id = "target"
     storage: Path
     arrivals: list[int]
     hold: staticmethod
@@ -62,7 +46,7 @@ class ConnectorEngine(StandIn):
     lost: frozenset[int] = frozenset()
 
     def do_POST(self):
-        ids = json.loads(self.rfile.read(int(self.headers["content-length"])))["prompt"]
+        ids = self.request_body()["prompt"]
         self.arrivals.append(ids[0])
         type(self).hold(ids[0])
         if ids[0] in self.refused:
@@ -77,39 +61,31 @@ class ConnectorEngine(StandIn):
         self.reply(200, body)
 
 
-class DeadCore(StandIn):
+class DeadCore(OpenAIStandIn):
+    model_id = "target"
+
     def do_POST(self):
-        self.rfile.read(int(self.headers["content-length"]))
+        self.request_body()
         self.reply(500, {"error": "EngineDeadError: EngineCore encountered an issue"})
-
-
-def serve(handler: type[StandIn]) -> tuple[str, ThreadingHTTPServer]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{httpd.server_address[1]}", httpd
 
 
 @pytest.fixture
 def engine(tmp_path):
-    def start(hold, refused=frozenset(), lost=frozenset()) -> tuple[str, type[ConnectorEngine]]:
-        fields = {"storage": tmp_path, "arrivals": [], "refused": refused, "lost": lost}
-        handler = type("Engine", (ConnectorEngine,), fields)
-        handler.hold = staticmethod(hold)
-        url, httpd = serve(handler)
-        started.append(httpd)
-        return url, handler
+    with ExitStack() as servers:
 
-    started: list[ThreadingHTTPServer] = []
-    yield start
-    for httpd in started:
-        httpd.shutdown()
+        def start(hold, refused=frozenset(), lost=frozenset()) -> tuple[str, type[ConnectorEngine]]:
+            fields = {"storage": tmp_path, "arrivals": [], "refused": refused, "lost": lost}
+            handler = type("Engine", (ConnectorEngine,), fields)
+            handler.hold = staticmethod(hold)
+            return servers.enter_context(serving(handler)), handler
+
+        yield start
 
 
 @pytest.fixture
 def dead_core_url():
-    url, httpd = serve(DeadCore)
-    yield url
-    httpd.shutdown()
+    with serving(DeadCore) as url:
+        yield url
 
 
 def test_shards_are_handed_out_once_enough_later_rows_are_submitted():

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
 import pytest
@@ -23,31 +21,19 @@ from eagle3_core.sampling.prompts import PromptFileError
 from eagle3_core.sampling.store import merge_slices
 from eagle3_core.sampling.table import iter_rows, read_part
 from eagle3_core.serving.engine import ExternalServer
+from tests.helpers.openai_standin import OpenAIStandIn, serving
 
 
-class ScriptedServer(BaseHTTPRequestHandler):
+class ScriptedServer(OpenAIStandIn):
     """Answers by the user text: FAIL500xN fails N times with 500, FAIL400 always 400, THINK answers with
     <think> tags, PARSED answers through a reasoning field, SEED answers with the request's seed, DIE drops
     the connection."""
 
+    model_id = "scripted"
     requests: ClassVar[Counter[str]] = Counter()
 
-    def log_message(self, *args):
-        pass
-
-    def reply(self, code: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):
-        self.reply(200, {"data": [{"id": "scripted"}]})
-
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        body = self.request_body()
         text = body["messages"][-1]["content"]
         self.requests[text] += 1
         if "DIE" in text:
@@ -71,11 +57,8 @@ class ScriptedServer(BaseHTTPRequestHandler):
 @pytest.fixture
 def scripted():
     ScriptedServer.requests = Counter()
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedServer)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield ExternalServer(f"http://127.0.0.1:{httpd.server_address[1]}/v1")
-    httpd.shutdown()
+    with serving(ScriptedServer) as url:
+        yield ExternalServer(f"{url}/v1")
 
 
 def make_config(tmp_path, texts, **sampling_fields):
