@@ -216,8 +216,9 @@ class VllmBackend:
     def extract_shards(self, shards: Iterable[list[SampleRow]]) -> Iterator[tuple[list[SampleStates], None]]:
         """Each shard's states, in order. Later shards' requests are sent before a shard is collected, as many
         as are in flight (`submitted_ahead`): the engine never drains at a shard boundary while the last
-        requests of a shard finish. Host memory holds at most one shard plus `in_flight` samples' states
-        beyond what the shard writer queues."""
+        requests of a shard finish. Beyond what the shard writer queues, host memory holds the states of the
+        shard being collected and of the requests submitted behind it: fewer than `in_flight` plus one shard's
+        samples (a shard is submitted whole)."""
         for rows, futures in submitted_ahead(shards, self.submit, self.in_flight):
             yield self.collect(rows, futures), None
 
