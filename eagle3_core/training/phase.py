@@ -23,7 +23,7 @@ from eagle3_core.phases import TRAINING, phase_key
 from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.training.curves import TrainingCurves
-from eagle3_core.training.distributed import Group, barrier, init_group
+from eagle3_core.training.distributed import Group, barrier, process_group
 from eagle3_core.training.loop import PHASE, run_training, split_validation
 from eagle3_core.training.loss import TargetHead, TTTObjective
 from eagle3_core.training.preflight import preflight_training
@@ -128,6 +128,24 @@ def train_draft(
     progress: ProgressCallback = ignore_progress,
 ) -> DraftCheckpoint:
     """Train (or resume, or reuse) the draft and return its checkpoint manifest."""
+    upstream = upstream_of(hidden_states, vocab_map, target)
+    out_dir = RunLayout.of(config).draft.root
+    if (cached := reused_checkpoint(out_dir, phase_config(config), upstream, events)) is not None:
+        return cached
+    with process_group(config.training.device) as group:  # left once the draft and its optimizer are freed
+        return train_ranks(config, hidden_states, vocab_map, target, events, progress, group)
+
+
+def train_ranks(
+    config: PipelineConfig,
+    hidden_states: HiddenStateSet,
+    vocab_map: VocabMap,
+    target: TargetModel,
+    events: RunEvents,
+    progress: ProgressCallback,
+    group: Group,
+) -> DraftCheckpoint:
+    """This rank's part of training: every rank trains, rank 0 exports and writes the manifest."""
     from eagle3_core.extraction.reader import HiddenStateDataset
 
     tc = config.training
@@ -135,9 +153,6 @@ def train_draft(
     out_dir = draft_dir.root
     cfg = phase_config(config)
     upstream = upstream_of(hidden_states, vocab_map, target)
-    if (cached := reused_checkpoint(out_dir, cfg, upstream, events)) is not None:
-        return cached
-    group = init_group(tc.device)
     recorder = events if group.is_main else None  # every rank checks, one line is logged
     preflight_training(config, hidden_states, target, vocab_map.draft_vocab_size, out_dir, recorder)
     d2t, t2d = load_vocab_tensors(vocab_map, hidden_states.upstream.get("sample_set", ""))
