@@ -128,12 +128,11 @@ def train_draft(
     progress: ProgressCallback = ignore_progress,
 ) -> DraftCheckpoint:
     """Train (or resume, or reuse) the draft and return its checkpoint manifest."""
-    upstream = upstream_of(hidden_states, vocab_map, target)
-    out_dir = RunLayout.of(config).draft.root
-    if (cached := reused_checkpoint(out_dir, phase_config(config), upstream, events)) is not None:
+    cfg, upstream = phase_config(config), upstream_of(hidden_states, vocab_map, target)
+    if (cached := reused_checkpoint(RunLayout.of(config).draft.root, cfg, upstream, events)) is not None:
         return cached
     with process_group(config.training.device) as group:  # left once the draft and its optimizer are freed
-        return train_ranks(config, hidden_states, vocab_map, target, events, progress, group)
+        return train_ranks(config, hidden_states, vocab_map, target, events, progress, group, cfg, upstream)
 
 
 def train_ranks(
@@ -144,15 +143,16 @@ def train_ranks(
     events: RunEvents,
     progress: ProgressCallback,
     group: Group,
+    cfg: dict,
+    upstream: dict[str, str],
 ) -> DraftCheckpoint:
-    """This rank's part of training: every rank trains, rank 0 exports and writes the manifest."""
+    """This rank's part of training: every rank trains, rank 0 exports and writes the manifest. `cfg` and
+    `upstream`: `phase_config` and `upstream_of`, as `train_draft` checked the cache with them."""
     from eagle3_core.extraction.reader import HiddenStateDataset
 
     tc = config.training
     draft_dir = RunLayout.of(config).draft
     out_dir = draft_dir.root
-    cfg = phase_config(config)
-    upstream = upstream_of(hidden_states, vocab_map, target)
     recorder = events if group.is_main else None  # every rank checks, one line is logged
     preflight_training(config, hidden_states, target, vocab_map.draft_vocab_size, out_dir, recorder)
     d2t, t2d = load_vocab_tensors(vocab_map, hidden_states.upstream.get("sample_set", ""))
