@@ -516,6 +516,15 @@ class TrainingConfig(Section):
         "drawn from the training seed, the step and the rank. 0: none.",
         json_schema_extra=added_content("training", first_default=0.0),
     )
+    target_temperature: float = Field(
+        1.0,
+        gt=0,
+        description="Temperature of the target distribution the draft learns (its logits divided by this): below "
+        "1 sharpens it toward the target's greedy token, the one greedy verification accepts; 1: plain "
+        "distillation. Losses are reported against the tempered distribution; top-1 and acceptance are not "
+        "changed by it.",
+        json_schema_extra=added_content("training"),
+    )
     ema_decay: float | None = Field(
         None,
         gt=0,

@@ -29,24 +29,29 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "h200-quality.yaml"
 SAMPLED = ["sampling.temperature=0.7", "sampling.top_p=0.95"]
-HOTTER = ["sampling.temperature=1.0", "sampling.top_p=0.95"]
 # Data settings: sampling overrides, or (a data setting whose samples are reused, overrides) where only what
 # is built from the samples differs. n1 (greedy answers) is always sampled: the served stage takes its held-out
 # prompts from it. (The sessions before: change DATA and VARIANTS back with git log -p.)
 DATA: dict[str, list[str] | tuple[str, list[str]]] = {
     "n1": [],
     "n2": ["sampling.responses_per_prompt=2", *SAMPLED],
-    "n2t1": ["sampling.responses_per_prompt=2", *HOTTER],
 }
-# Issue 28's fourth session, sized to two device calls: the best served recipe of the sessions before (2 responses
-# at temperature 0.7, 2 epochs: 4 greedy epochs' compute) against the same at temperature 1.0 (more diverse answers
-# carried further to HumanEval, the prompts furthest from the training ones).
+# Issue 28's fifth session: the levers no session screened, each alone on the best served recipe (2 responses at
+# temperature 0.7, 2 epochs: 4 greedy epochs' compute): the target distribution sharpened (0.5) or softened (2.0),
+# the later TTT steps weighed less (0.6), a higher learning rate for the longer run (5e-3) and more input noise.
+TWO_EPOCHS = {"training.epochs": 2}
 VARIANTS = {
-    "n2": {"D_n2_2ep": {"training.epochs": 2}},
-    "n2t1": {"D_n2t1_2ep": {"training.epochs": 2}},
+    "n2": {
+        "D_n2_2ep": TWO_EPOCHS,
+        "D_n2_2ep_tt05": {**TWO_EPOCHS, "training.target_temperature": 0.5},
+        "D_n2_2ep_tt2": {**TWO_EPOCHS, "training.target_temperature": 2.0},
+        "D_n2_2ep_sw06": {**TWO_EPOCHS, "training.step_weight": 0.6},
+        "D_n2_2ep_lr5e3": {**TWO_EPOCHS, "training.lr": 5e-3},
+        "D_n2_2ep_noise05": {**TWO_EPOCHS, "training.input_noise": 0.5},
+    },
 }
 # Served first where the device time may end: what no session measured, then the reference.
-SERVED_ORDER = ("D_n2t1_2ep", "D_n2_2ep")
+SERVED_ORDER = ("D_n2_2ep_tt05", "D_n2_2ep_tt2", "D_n2_2ep_sw06", "D_n2_2ep_lr5e3", "D_n2_2ep_noise05", "D_n2_2ep")
 # Servers at once in the served stage, each with this share of the GPU's memory (SmolLM2 needs ~1 GB).
 PARALLEL_SERVERS, SERVER_MEMORY = 5, 0.16
 

@@ -1,5 +1,6 @@
 """The train-time-test objective: soft cross-entropy of each draft step against the target's distribution
-restricted to the draft vocabulary, step k weighted by `step_weight**k`, loss-masked, packed-aware.
+restricted to the draft vocabulary (tempered by `target_temperature`), step k weighted by `step_weight**k`,
+loss-masked, packed-aware.
 
 Target logits come from the stored last-layer state through the target's lm_head rows selected by t2d
 (after the target's final norm iff the stored state is pre-norm), computed once per batch and shared by
@@ -230,9 +231,11 @@ class TTTObjective(nn.Module):
         step_weight: float,
         attention: str = "auto",
         mask_out_of_vocab: bool = False,
+        target_temperature: float = 1.0,
     ):
         super().__init__()
         self.draft, self.ttt_steps, self.step_weight, self.attention = draft, ttt_steps, step_weight, attention
+        self.target_temperature = target_temperature  # the scored distribution: softmax(target logits / this)
         # Positions whose target argmax (whole vocabulary) the draft cannot emit weigh 0 in the loss; the
         # top-1 / acceptance statistics still count them (decoding meets them too).
         self.mask_out_of_vocab = mask_out_of_vocab
@@ -310,6 +313,8 @@ class TTTObjective(nn.Module):
         else:
             row_weights = (step_weights / counts.clamp(min=1))[step]
         flat_logits = target_logits.view(batch_size * length, -1)  # [B*T, Vd]
+        if self.target_temperature != 1.0:  # tempered after the argmax above: top-1 stays the target's own
+            flat_logits = flat_logits / self.target_temperature
         loss, row_loss, draft_top1 = fused_soft_cross_entropy_rows(
             hidden, lm_head, flat_logits, row_weights, target_rows, weight_c, rows_fn=self.rows_fn
         )

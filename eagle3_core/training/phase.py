@@ -175,7 +175,9 @@ def train_ranks(
         )
     state_dir = draft_dir.state
     prepare_state_dir(state_dir, sha256_json({"config": cfg, "upstream": upstream}), events, group)
-    objective = TTTObjective(draft, tc.ttt_steps, tc.step_weight, tc.attention, tc.mask_out_of_vocab)
+    objective = TTTObjective(
+        draft, tc.ttt_steps, tc.step_weight, tc.attention, tc.mask_out_of_vocab, tc.target_temperature
+    )
     curves = TrainingCurves(out_dir if group.is_main else None)  # draft/tensorboard/, draft/training_curves.png
     step, metrics = run_training(
         objective, head, train_data, val_data, tc, state_dir, group, events, progress, curves=curves

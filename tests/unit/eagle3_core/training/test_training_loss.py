@@ -93,7 +93,8 @@ def test_decoding_counts_walk_each_response_apart() -> None:
     assert rounds == 3 and accepted.tolist() == [2, 1, 0]
 
 
-def test_objective_scores_each_step_against_the_shifted_target_row() -> None:
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_objective_scores_each_step_against_the_shifted_target_row(temperature: float) -> None:
     draft = tiny_draft()
     aux, input_ids, position_ids, document_ids = random_batch(draft, [9, 7])
     last = torch.randn(1, 16, 32, dtype=torch.float64)
@@ -107,12 +108,17 @@ def test_objective_scores_each_step_against_the_shifted_target_row() -> None:
         "loss_mask": loss_mask,
         "last": last,
     }
-    objective = TTTObjective(draft, ttt_steps=3, step_weight=0.5, attention="eager")
-    loss, stats, _, valid = objective(batch, head)
+    objective = TTTObjective(draft, ttt_steps=3, step_weight=0.5, attention="eager", target_temperature=temperature)
+    loss, stats, agree, valid = objective(batch, head)
     loss.backward()
     assert draft.fc.weight.grad is not None and draft.embed_tokens.weight.grad is None
+    with torch.no_grad():  # the temperature changes what is learned, never what counts as agreeing
+        _, plain_stats, plain_agree, _ = TTTObjective(draft, ttt_steps=3, step_weight=0.5, attention="eager")(
+            batch, head
+        )
+    assert torch.equal(agree, plain_agree) and torch.equal(stats[:, 1:], plain_stats[:, 1:])
     states = unroll(draft, aux, input_ids, position_ids, document_ids, 3)
-    target_logits = last @ head.weight.T
+    target_logits = last @ head.weight.T / temperature
     want = 0.0
     for step in range(3):
         rows = valid[step].nonzero(as_tuple=True)

@@ -105,3 +105,21 @@ def test_the_preflight_counts_the_parameters_train_draft_trains(tmp_path, tiny_l
     [line] = [e for e in events.read() if e["event"] == PREFLIGHT and e["phase"] == "training"]
     assert line["draft_parameters"] == sum(p.numel() for p in draft.parameters() if p.requires_grad)
     assert not draft.lm_head.weight.requires_grad and draft.config.norm_before_fc and not draft.config.fc_norm
+
+
+def test_train_draft_trains_against_the_configured_target_temperature(tmp_path, tiny_llama, sample_set, monkeypatch):
+    """`training.target_temperature` reaches the objective `train_draft` trains (a field the phase did not pass on
+    would only change the cache key)."""
+    config = make_config(tmp_path)
+    config.training.max_steps, config.training.target_temperature = 1, 0.5
+    built, objective_class = [], phase.TTTObjective
+
+    def spied_objective(*args, **kwargs):
+        built.append(objective_class(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(phase, "TTTObjective", spied_objective)
+    events = RunEvents(tmp_path)
+    hidden = extract_hidden_states(config, sample_set, tiny_llama, events)
+    train_draft(config, hidden, build_vocab_map(config, sample_set, tiny_llama, events), tiny_llama, events)
+    assert [objective.target_temperature for objective in built] == [0.5]
