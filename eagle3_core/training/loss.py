@@ -313,8 +313,8 @@ class TTTObjective(nn.Module):
         else:
             row_weights = (step_weights / counts.clamp(min=1))[step]
         flat_logits = target_logits.view(batch_size * length, -1)  # [B*T, Vd]
-        if self.target_temperature != 1.0:  # tempered after the argmax above: top-1 stays the target's own
-            flat_logits = flat_logits / self.target_temperature
+        if self.target_temperature != 1.0:  # in place, after the argmax above: top-1 stays the target's own
+            flat_logits.div_(self.target_temperature)  # no second [B*T, Vd] buffer per batch
         loss, row_loss, draft_top1 = fused_soft_cross_entropy_rows(
             hidden, lm_head, flat_logits, row_weights, target_rows, weight_c, rows_fn=self.rows_fn
         )
