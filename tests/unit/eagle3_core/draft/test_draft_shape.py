@@ -10,9 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from eagle3_core.artifacts import ArtifactInvalid, TargetModel
 from eagle3_core.config import PipelineConfig
+from eagle3_core.draft.export import export_draft
 from eagle3_core.draft.model import DraftConfig
 from eagle3_core.events import PREFLIGHT, RunEvents
 from eagle3_core.training.phase import build_draft, draft_config_of
@@ -23,8 +25,8 @@ LAYER_IDS = [2, 4, 5]
 
 @pytest.mark.parametrize(
     "training",
-    [{}, {"freeze_lm_head": True}, {"fc_norm": False, "norm_before_fc": True}],
-    ids=["default recipe", "frozen lm_head", "input_norm"],
+    [{}, {"freeze_lm_head": True}, {"fc_norm": False, "norm_before_fc": True}, {"draft_intermediate_size": 200}],
+    ids=["default recipe", "frozen lm_head", "input_norm", "wider MLP"],
 )
 def test_training_preflight_counts_the_trained_drafts_parameters(tmp_path: Path, tiny_llama: TargetModel, training):
     config = PipelineConfig(run_dir=tmp_path, training=training)
@@ -38,6 +40,23 @@ def test_training_preflight_counts_the_trained_drafts_parameters(tmp_path: Path,
     preflight_training(config, SimpleNamespace(layer_ids=LAYER_IDS), tiny_llama, draft_vocab, tmp_path, events)
     [line] = [e for e in events.read() if e["event"] == PREFLIGHT]
     assert line["draft_parameters"] == trained
+
+
+@pytest.mark.parametrize("width", [None, 200])
+def test_the_draft_mlp_is_as_wide_as_configured_in_training_and_in_the_export(tmp_path, tiny_llama, width) -> None:
+    """`training.draft_intermediate_size` widens the draft's MLP (None: the target's): training builds that
+    width, and config.json states it beside weights of that shape, which is what vLLM and SGLang allocate."""
+    config = PipelineConfig(run_dir=tmp_path, training={"draft_intermediate_size": width})
+    shape = draft_config_of(config, tiny_llama, SimpleNamespace(draft_vocab_size=64), LAYER_IDS)
+    t2d = torch.zeros(tiny_llama.vocab_size, dtype=torch.bool)
+    t2d[:64] = True
+    draft = build_draft(config, tiny_llama, shape, torch.zeros(64, dtype=torch.long), t2d)
+    expected = width or tiny_llama.text_config["intermediate_size"]
+    assert draft.midlayer.mlp.gate_proj.weight.shape == (expected, shape.hidden_size)
+    export_draft(draft, tmp_path / "export")
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["intermediate_size"] == expected
+    weights = load_file(tmp_path / "export" / "model.safetensors")
+    assert weights["midlayer.mlp.down_proj.weight"].shape == (shape.hidden_size, expected)
 
 
 @pytest.mark.parametrize(
