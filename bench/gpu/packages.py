@@ -104,8 +104,9 @@ DEVICE_PYTHON = {"python_version": "3.12", "python_full_version": "3.12.3", "imp
 
 
 def device_packages(kinds_md: str) -> frozenset[str]:
-    """The canonical names of KINDS.md's 'Python packages already there' list for the H200 image."""
-    match = re.search(r"^nvidia-h200, .*?Packages: (?P<names>[^\n]+)$", kinds_md, re.MULTILINE)
+    """The canonical names of KINDS.md's 'Python packages already there' list for the H200 image: the line whose
+    kinds (before its first colon, in any order) name nvidia-h200."""
+    match = re.search(r"^[^:\n]*\bnvidia-h200(?![-\w])[^:\n]*:.*?Packages: (?P<names>[^\n]+)$", kinds_md, re.MULTILINE)
     if match is None:
         raise ValueError("KINDS.md has no 'Packages:' line for the nvidia-h200 image")
     return frozenset(canonicalize_name(name.strip().rstrip(".")) for name in match["names"].split(","))

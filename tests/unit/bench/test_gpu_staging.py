@@ -26,8 +26,11 @@ from eagle3_core.config import load_config
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_device_packages_reads_the_kinds_list() -> None:
-    text = "## x\n\nnvidia-h200, nvidia-h200-x2: their image holds these. Packages: absl-py, Typing_Extensions, zipp.\n"
+@pytest.mark.parametrize("kinds", ["nvidia-h200, nvidia-h200-x2", "nvidia-h100-x1, nvidia-h200, nvidia-h100-x2"])
+def test_device_packages_reads_the_kinds_list(kinds: str) -> None:
+    """The H200's line wherever KINDS.md lists nvidia-h200 among its kinds (2026-12-05 it came second)."""
+    other = "nvidia-h200-x8: another image. Packages: numpy.\n"
+    text = f"## x\n\n{other}{kinds}: their image holds these. Packages: absl-py, Typing_Extensions, zipp.\n"
     assert device_packages(text) == {"absl-py", "typing-extensions", "zipp"}
     with pytest.raises(ValueError, match="Packages"):
         device_packages("no list here")
