@@ -2,7 +2,9 @@
 `--speculative-config {"method": "eagle3", "model": <export>, "num_speculative_tokens": 3}`, generates, and
 reports spec-decode metrics. The draft is trained (memorised) on SmolLM2's own greedy answers to the very
 prompts served, so a correct load (weight names, d2t, aux layer ids) shows as accepted draft tokens; a
-silently mis-loaded draft would leave acceptance near zero."""
+silently mis-loaded draft would leave acceptance near zero. Its MLP is wider than the target's
+(`training.draft_intermediate_size`): vLLM builds the layer config.json describes, and a load at another
+width fails on the tensors' shapes (the default width is served by test_evaluation_vllm)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ PROMPTS = [
     "Give me two tips for sleeping well.",
 ]
 MAX_TOKENS = 32
+WIDER_MLP = 2048  # SmolLM2's layers: 1536
 
 
 def greedy_rows(model_dir) -> list[dict]:
@@ -76,6 +79,7 @@ def trained_export(tmp_path_factory, smollm2_target):
     training = config.training
     training.max_steps, training.ttt_steps, training.max_length, training.lr = 40, 3, 512, 3e-3
     training.holdout_fraction, training.device, training.checkpoint_every = 0.0, "cpu", 1000
+    training.draft_intermediate_size = WIDER_MLP
     events = RunEvents(run_dir)
     samples_dir = run_dir / "samples"
     samples_dir.mkdir()
@@ -94,6 +98,7 @@ def test_vllm_serves_the_export_with_speculative_decoding(trained_export, smollm
     exported = json.loads((export / "config.json").read_text())
     assert exported["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
     assert exported["fc_norm"] and exported["norm_before_residual"] and exported["norm_output"]  # the default
+    assert exported["intermediate_size"] == WIDER_MLP
     config.server.dtype = "float32"
     config.server.startup_timeout_s = 900
     config.server.stall_timeout_s = 600
