@@ -664,7 +664,7 @@ class EvaluationConfig(Section):
     concurrency: int = Field(
         4,
         ge=1,
-        description="Concurrent requests of the vLLM throughput measurement.",
+        description="Concurrent requests of the vLLM throughput measurement; 1: the batch-1 pass alone.",
         json_schema_extra=roles(evaluation=VLLM),
     )
     acceptance_floor: float = Field(

@@ -106,9 +106,10 @@ def measure_on_server(
     near_tie_bound: float = 0.0,
     engine: str = "vLLM",
 ) -> dict[str, dict[str, Any]]:
-    """Per prompt set: batch-1 and concurrent passes (tokens, seconds), the batch-1 outputs, (with a draft)
-    the acceptance the engine counted during the batch-1 pass, and (given the draft's outputs as `reference`)
-    the judged `differences` of the batch-1 outputs from them (`judge_outputs`). `engine` labels progress."""
+    """Per prompt set: batch-1 and concurrent passes (tokens, seconds; at `concurrency` 1 the one pass is
+    both), the batch-1 outputs, (with a draft) the acceptance the engine counted during the batch-1 pass, and
+    (given the draft's outputs as `reference`) the judged `differences` of the batch-1 outputs from them
+    (`judge_outputs`). `engine` labels progress."""
     model = client.model_id()
     label = f"{engine} {'with' if with_draft else 'without'} draft"
     results: dict[str, dict[str, Any]] = {}
@@ -121,8 +122,12 @@ def measure_on_server(
         if reference is not None:
             outputs = (reference[name], single.outputs)
             result["differences"] = judge_outputs(client, model, prompts, outputs, max_tokens, near_tie_bound)
-        stage = f"{label}, {name}, concurrency {concurrency}"
-        result["concurrent"] = throughput(run_prompts(client, model, prompts, max_tokens, concurrency, progress, stage))
+        if concurrency > 1:
+            stage = f"{label}, {name}, concurrency {concurrency}"
+            concurrent = run_prompts(client, model, prompts, max_tokens, concurrency, progress, stage)
+            result["concurrent"] = throughput(concurrent)
+        else:  # one request in flight is the batch-1 pass: not sent a second time
+            result["concurrent"] = result["batch1"]
         results[name] = result
     return results
 
