@@ -677,10 +677,10 @@ class EvaluationConfig(Section):
     near_tie_logit_gap: float = Field(
         0.05,
         ge=0,
-        description="(b): a draft output that first departs from plain greedy where plain's top-2 logit gap is "
-        "below this is a near-tie (GPU kernels differ by batch shape), as is one no wider than plain greedy's own "
-        "flips in the same run (bf16); any other difference is a defect.",
-        json_schema_extra=roles(evaluation=VLLM),
+        description="(a) and (b): a draft output that first departs from plain greedy where plain's top-2 logit "
+        "gap is below this is a near-tie (bf16 rounding, GPU kernels differing by batch shape), as is, in (b), one "
+        "no wider than plain greedy's own flips in the same run; any other difference is a defect.",
+        json_schema_extra=content("evaluation"),
     )
     sweep_max_k: int = Field(
         5,

@@ -109,6 +109,18 @@ def with_flip_floor(differences: list[dict[str, Any]], floor: float | None) -> l
     ]
 
 
+def judge_token_difference(
+    prompt_id: str, draft_ids: list[int], plain_ids: list[int], gaps: list[float], bound: float
+) -> dict[str, Any]:
+    """Where a draft's greedy token ids first depart from plain greedy's (measurement (a), one engine, one
+    process, so plain greedy repeats): plain's top-2 logit gap there (`gaps`: one per plain token), and a
+    near-tie when it is below `bound`. A departure past plain's last token has no gap: never a near-tie."""
+    index = next((i for i, (a, b) in enumerate(zip(draft_ids, plain_ids, strict=False)) if a != b), None)
+    index = min(len(draft_ids), len(plain_ids)) if index is None else index
+    gap = gaps[index] if index < len(gaps) else None
+    return {"prompt": prompt_id, "token": index, "gap": gap, "near_tie": gap is not None and gap < bound}
+
+
 def judge_outputs(
     client: AsksTop2,
     model: str,

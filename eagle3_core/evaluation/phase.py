@@ -132,7 +132,7 @@ def measure_sets(
 
         sets[name] = measure_prompt_set(
             model, tokenizer, draft, prompts[name], k, evaluation.max_new_tokens,
-            evaluation.lossless_check_prompts, report,
+            (evaluation.lossless_check_prompts, evaluation.near_tie_logit_gap), report,
         )  # fmt: skip
         save(eval_dir / f"transformers-{name}.json", key, sets[name])
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from eagle3_core.draft.model import DraftKVCache, Eagle3Draft
+from eagle3_core.evaluation.departures import judge_token_difference
 from eagle3_core.evaluation.prompts import EvalPrompt
 from eagle3_core.evaluation.stats import AcceptanceStats
 
@@ -210,6 +211,15 @@ def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
 @torch.no_grad()
 def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     """Plain greedy decoding with transformers' `generate`: the reference speculative output must equal."""
+    return greedy_with_gaps(model, prompt_ids, max_new_tokens, eos_ids)[0]
+
+
+@torch.no_grad()
+def greedy_with_gaps(
+    model, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]
+) -> tuple[list[int], list[float]]:
+    """Plain greedy decoding, and the gap between the top-2 logits at each emitted token (how close a call
+    each greedy choice was: where a speculative output departs, a small gap makes it a near-tie)."""
     from transformers import GenerationConfig
 
     ids = torch.tensor([prompt_ids], device=model.device)
@@ -218,9 +228,13 @@ def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: 
         do_sample=False,
         eos_token_id=sorted(eos_ids) or None,  # None: no end-of-sequence token, stop at the length only
         pad_token_id=min(eos_ids, default=0),
+        return_dict_in_generate=True,
+        output_logits=True,
     )
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return cut_at_eos(out[0, len(prompt_ids) :].tolist(), eos_ids)
+    tokens = cut_at_eos(out.sequences[0, len(prompt_ids) :].tolist(), eos_ids)
+    top2 = [step[0].float().topk(2).values for step in out.logits[: len(tokens)]]  # each [2]
+    return tokens, [float(pair[0] - pair[1]) for pair in top2]
 
 
 def measure_prompt_set(
@@ -230,15 +244,19 @@ def measure_prompt_set(
     prompts: list[EvalPrompt],
     k: int,
     max_new_tokens: int,
-    lossless_checks: int,
+    lossless: tuple[int, float],
     progress: Callable[[int], None],
 ) -> dict[str, Any]:
     """Measurement (a) over one prompt set: pooled acceptance, tau for every k' <= k, where the time went,
-    and for the first `lossless_checks` prompts whether the output equals plain greedy decoding."""
+    and for the first `lossless[0]` prompts whether the output equals plain greedy decoding; a departure
+    where plain greedy's top-2 logit gap is below `lossless[1]` is a near-tie (bfloat16 rounds a k+1-token
+    verification differently from one-token steps), any other is a defect of the draft's decoding."""
+    checks, bound = lossless
     eos = eos_token_ids(model, tokenizer)
     stats = AcceptanceStats(k)
     seconds = {"draft": 0.0, "target": 0.0}
     tokens = identical = 0
+    differences: list[dict[str, Any]] = []
     for index, prompt in enumerate(prompts):
         prompt_ids = render_prompt(tokenizer, prompt.chat_messages())
         result = speculative_generate(model, draft, prompt_ids, max_new_tokens, k, eos)
@@ -246,10 +264,23 @@ def measure_prompt_set(
         for who, value in result.timer.seconds.items():
             seconds[who] += value
         tokens += len(result.tokens)
-        if index < lossless_checks:
-            identical += result.tokens == greedy_generate(model, prompt_ids, max_new_tokens, eos)
+        if index < checks:
+            plain, gaps = greedy_with_gaps(model, prompt_ids, max_new_tokens, eos)
+            identical += result.tokens == plain
+            if result.tokens != plain:
+                differences.append(judge_token_difference(prompt.id, result.tokens, plain, gaps, bound))
         progress(index + 1)
-    return timing_summary(stats, seconds, tokens, len(prompts), f"{identical}/{min(lossless_checks, len(prompts))}")
+    summary = timing_summary(stats, seconds, tokens, len(prompts), f"{identical}/{min(checks, len(prompts))}")
+    return summary | lossless_verdict(differences)
+
+
+def lossless_verdict(differences: list[dict[str, Any]]) -> dict[str, Any]:
+    """The judged departures from plain greedy, their near-ties counted and their defects named."""
+    return {
+        "differences": differences,
+        "near_ties": sum(d["near_tie"] for d in differences),
+        "defects": [d["prompt"] for d in differences if not d["near_tie"]],
+    }
 
 
 def timing_summary(
@@ -278,6 +309,7 @@ def pool_prompt_sets(sets: dict[str, dict[str, Any]]) -> dict[str, Any]:
     seconds = {who: sum(r[f"{who}_s"] for r in results) for who in ("draft", "target")}
     checked = [r["identical_to_greedy"].split("/") for r in results]
     identical = f"{sum(int(a) for a, _ in checked)}/{sum(int(b) for _, b in checked)}"
-    return timing_summary(
+    pooled = timing_summary(
         stats, seconds, sum(r["tokens"] for r in results), sum(r["prompts"] for r in results), identical
     )
+    return pooled | lossless_verdict([d for r in results for d in r.get("differences", [])])

@@ -6,6 +6,7 @@ must kill or corrupt an engine as part of what it checks keeps an engine of its 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import ServerConfig
@@ -15,6 +16,15 @@ from eagle3_core.serving.engine import VllmServer
 # The flags of the shared SmolLM2 server: float32, so greedy answers are comparable across runs, and
 # timeouts that a loaded 2-core machine meets.
 FLOAT32 = {"dtype": "float32", "stall_timeout_s": 300, "startup_timeout_s": 600}
+# Every compute dtype a test's config leaves unset, pinned: `auto` is bfloat16 on CPUs with bf16 instructions
+# and float32 on AVX2-only ones, and CI gets either kind of host (tests/unit/integration/test_host_independence.py).
+PINNED_DTYPES = {"server": {"dtype": "float32"}, "extraction": {"compute_dtype": "float32"},
+                 "evaluation": {"dtype": "float32"}}  # fmt: skip
+
+
+def pinned_dtypes(data: dict[str, Any]) -> dict[str, Any]:
+    """A PipelineConfig's data with the compute dtypes it leaves unset pinned to float32."""
+    return data | {section: fields | data.get(section, {}) for section, fields in PINNED_DTYPES.items()}
 
 
 class ServedTargets:

@@ -32,6 +32,7 @@ from eagle3_core.sampling.phase import sample_prompts
 from eagle3_core.sampling.table import iter_rows
 from eagle3_core.serving.engine import ServerError, VllmServer
 from tests.helpers.extraction_fixtures import layer_cosines
+from tests.helpers.served_targets import pinned_dtypes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -51,7 +52,7 @@ def pipeline_config(
     draft_architecture: str = "llama",
     **evaluation: object,
 ) -> PipelineConfig:
-    return PipelineConfig.model_validate({
+    return PipelineConfig.model_validate(pinned_dtypes({
         "run_dir": str(run_dir),
         "server": {"dtype": "float32", "max_model_len": 512, "extra_args": REFERENCE_MLA},
         "sampling": {"prompt_files": ["demo"], "max_prompts": PROMPTS, "max_tokens": 32,
@@ -63,7 +64,7 @@ def pipeline_config(
         "evaluation": {"prompt_sets": ["holdout"], "max_prompts": HELD_OUT, "max_new_tokens": 32,
                        "cpu_threads": 1, "lossless_check_prompts": HELD_OUT, "acceptance_floor": 0.0,
                        "with_vllm": with_vllm, **evaluation},
-    })  # fmt: skip
+    }))  # fmt: skip
 
 
 @pytest.fixture(scope="module")

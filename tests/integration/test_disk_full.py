@@ -29,7 +29,7 @@ from eagle3_core.sampling.phase import sample_prompts
 from eagle3_core.sampling.table import iter_rows, read_part, write_part
 from eagle3_core.training.state import LATEST, latest_state, save_state
 from tests.helpers.extraction_fixtures import build_sample_set
-from tests.helpers.served_targets import FLOAT32
+from tests.helpers.served_targets import FLOAT32, pinned_dtypes
 
 BALLAST = "ballast.bin"
 
@@ -112,10 +112,14 @@ def test_extraction_on_a_disk_too_small_fails_in_preflight_without_loading_weigh
 def test_extraction_fills_the_disk_then_resumes_from_its_finished_shards(tmp_path, smollm2_target):
     sample_set = build_sample_set(tmp_path / "samples", smollm2_target.root_path, num_ok=8)
     run_dir = tmp_path / "run"
-    config = PipelineConfig(
-        run_dir=run_dir,
-        sampling={"holdout_fraction": 0.0},
-        extraction={"backend": "hf", "samples_per_shard": 2, "writer_threads": 1, "device": "cpu"},
+    config = PipelineConfig.model_validate(
+        pinned_dtypes(
+            {
+                "run_dir": run_dir,
+                "sampling": {"holdout_fraction": 0.0},
+                "extraction": {"backend": "hf", "samples_per_shard": 2, "writer_threads": 1, "device": "cpu"},
+            }
+        )
     )
     events = RunEvents(run_dir)
     with small_disk(run_dir / "hidden_states", 16 * 1024) as disk:

@@ -30,6 +30,7 @@ from eagle3_core.sampling.table import read_part
 from tasks.extraction import extract_hidden_states_task
 from tasks.policy import configured
 from tasks.sampling import sample_prompts_task
+from tests.helpers.served_targets import pinned_dtypes
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +51,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def small_config(run_dir: Path, max_prompts: int = PROMPTS) -> PipelineConfig:
     data = {**SMALL, "run_dir": str(run_dir)}
     data["sampling"] = {**SMALL["sampling"], "max_prompts": max_prompts}
-    return PipelineConfig.model_validate(data)
+    return PipelineConfig.model_validate(pinned_dtypes(data))
 
 
 @flow

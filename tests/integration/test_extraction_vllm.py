@@ -11,13 +11,14 @@ from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.extraction.reader import HiddenStateDataset
 from eagle3_core.serving.vllm_plugin import CPU_FORK
 from tests.helpers.extraction_fixtures import build_sample_set, layer_cosines
+from tests.helpers.served_targets import pinned_dtypes
 
 pytestmark = pytest.mark.slow
 AGREEMENT = 0.999
 
 
 def make_config(run_dir, backend: str, layer_ids: list[int] | None = None) -> PipelineConfig:
-    config = PipelineConfig(run_dir=run_dir)
+    config = PipelineConfig.model_validate(pinned_dtypes({"run_dir": run_dir}))
     config.sampling.holdout_fraction = 0.0
     config.extraction.backend = backend
     config.extraction.layer_ids = layer_ids

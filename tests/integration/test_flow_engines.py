@@ -22,6 +22,7 @@ from prefect.settings import PREFECT_API_URL
 
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.faults import ENV
+from tests.helpers.served_targets import pinned_dtypes
 
 pytestmark = pytest.mark.slow
 
@@ -38,11 +39,13 @@ def prefect_env(prefect_api) -> dict[str, str]:
 
 def write_config(tmp_path: Path, name: str, max_prompts: int, max_tokens: int) -> tuple[Path, Path]:
     run_dir = tmp_path / name
-    config = {
-        "run_dir": str(run_dir),
-        "sampling": {"max_prompts": max_prompts, "max_tokens": max_tokens, "concurrency": 4},
-        "orchestration": {"retries": 0},
-    }
+    config = pinned_dtypes(
+        {
+            "run_dir": str(run_dir),
+            "sampling": {"max_prompts": max_prompts, "max_tokens": max_tokens, "concurrency": 4},
+            "orchestration": {"retries": 0},
+        }
+    )
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path, run_dir

@@ -21,6 +21,7 @@ from eagle3_core.events import RESUME, WEIGHT_LOAD, RunEvents
 from eagle3_core.faults import ENV
 from flows.regenerate import load_current, regenerate
 from flows.train_drafter import train_drafter
+from tests.helpers.served_targets import pinned_dtypes
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +56,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def small_config(run_dir: Path, **training: object) -> PipelineConfig:
     data = {**SMALL, "run_dir": str(run_dir)}
     data["training"] = {**SMALL["training"], **training}
-    return PipelineConfig.model_validate(data)
+    return PipelineConfig.model_validate(pinned_dtypes(data))
 
 
 def run_flow(config: PipelineConfig, monkeypatch: pytest.MonkeyPatch, fault: str | None):

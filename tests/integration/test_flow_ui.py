@@ -27,6 +27,7 @@ import pytest
 from eagle3_core.config import PipelineConfig
 from tests.helpers.postgres import PrefectServer
 from tests.helpers.processes import start_worker, stop_workers
+from tests.helpers.served_targets import pinned_dtypes
 
 pytestmark = pytest.mark.slow
 
@@ -69,14 +70,14 @@ const { chromium } = require('playwright-core');
 
 # Tiny budget: the custom run must finish in minutes on 2 shared cores; sampling and extraction on one
 # shared server (one engine start).
-TINY = {
+TINY = pinned_dtypes({
     "sampling": {"max_prompts": 6, "max_tokens": 24, "holdout_fraction": 0.34, "concurrency": 4},
     "extraction": {"samples_per_shard": 4, "reuse_sampling_server": "on"},
     "vocab": {"draft_vocab_size": 1024},
     "training": {"epochs": 1, "max_steps": 2, "max_length": 256},
     "evaluation": {"prompt_sets": ["holdout"], "max_prompts": 1, "max_new_tokens": 8, "with_vllm": False,
                    "acceptance_floor": 0.0},
-}  # fmt: skip
+})  # fmt: skip
 
 
 @pytest.fixture(scope="module")

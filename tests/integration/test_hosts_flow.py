@@ -34,7 +34,7 @@ from tasks.policy import configured
 from tasks.sampling import sample_on_hosts_task
 from tests.helpers.postgres import PrefectServer, fetch
 from tests.helpers.processes import PREFECT, REPO, start_worker, stop_workers
-from tests.helpers.served_targets import FLOAT32
+from tests.helpers.served_targets import FLOAT32, pinned_dtypes
 
 pytestmark = pytest.mark.slow
 
@@ -87,13 +87,15 @@ def data_phases(config: PipelineConfig, target: TargetModel) -> tuple[SampleSet,
 
 def config_for(run_dir: Path, url: str, hosts: int) -> PipelineConfig:
     return PipelineConfig.model_validate(
-        {
-            "run_dir": str(run_dir),
-            "server": {"engine": "external", "url": url},
-            "sampling": {"max_prompts": 6, "max_tokens": 16, "concurrency": 1},
-            "extraction": {"backend": "hf", "compute_dtype": "float32", "batch_size": 1, "samples_per_shard": 2},
-            "orchestration": {"hosts": hosts, "retries": 0, "timeouts_s": {"sampling": 900, "extraction": 900}},
-        }
+        pinned_dtypes(
+            {
+                "run_dir": str(run_dir),
+                "server": {"engine": "external", "url": url},
+                "sampling": {"max_prompts": 6, "max_tokens": 16, "concurrency": 1},
+                "extraction": {"backend": "hf", "compute_dtype": "float32", "batch_size": 1, "samples_per_shard": 2},
+                "orchestration": {"hosts": hosts, "retries": 0, "timeouts_s": {"sampling": 900, "extraction": 900}},
+            }
+        )
     )
 
 

@@ -35,6 +35,7 @@ from eagle3_core.run_layout import RunLayout
 from flows.host_phase import host_phase
 from tasks.hosts import on_host
 from tests.helpers.extraction_fixtures import build_sample_set
+from tests.helpers.served_targets import pinned_dtypes
 
 pytestmark = pytest.mark.slow
 
@@ -54,18 +55,20 @@ host_phase(PipelineConfig.model_validate_json(config), "extraction", TargetModel
 
 def config_for(run_dir: Path) -> PipelineConfig:
     return PipelineConfig.model_validate(
-        {
-            "run_dir": str(run_dir),
-            "sampling": {"holdout_fraction": 0.0},
-            "extraction": {
-                "backend": "hf",
-                "compute_dtype": "float32",
-                "batch_size": 1,
-                "samples_per_shard": 1,
-                "writer_threads": 1,
-            },
-            "orchestration": {"hosts": 2, "retries": 0},
-        }
+        pinned_dtypes(
+            {
+                "run_dir": str(run_dir),
+                "sampling": {"holdout_fraction": 0.0},
+                "extraction": {
+                    "backend": "hf",
+                    "compute_dtype": "float32",
+                    "batch_size": 1,
+                    "samples_per_shard": 1,
+                    "writer_threads": 1,
+                },
+                "orchestration": {"hosts": 2, "retries": 0},
+            }
+        )
     )
 
 

@@ -31,6 +31,7 @@ from eagle3_core.extraction.reader import HiddenStateDataset
 from eagle3_core.extraction.storage import FP8
 from eagle3_core.faults import ENV
 from flows.train_drafter import train_drafter
+from tests.helpers.served_targets import pinned_dtypes
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +49,8 @@ SMALL = {
 def make_config(run_dir: Path, reuse: str, prompts: int = PROMPTS, dtype: str = "bf16") -> PipelineConfig:
     sampling = {**SMALL["sampling"], "max_prompts": prompts}
     extraction = {**SMALL["extraction"], "reuse_sampling_server": reuse, "dtype": dtype}
-    return PipelineConfig.model_validate({**SMALL, "sampling": sampling, "extraction": extraction, "run_dir": run_dir})
+    data = {**SMALL, "sampling": sampling, "extraction": extraction, "run_dir": run_dir}
+    return PipelineConfig.model_validate(pinned_dtypes(data))
 
 
 def run_flow(config: PipelineConfig, monkeypatch: pytest.MonkeyPatch, fault: str) -> tuple[dict, list[dict]]:

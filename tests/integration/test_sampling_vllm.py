@@ -21,7 +21,7 @@ from eagle3_core.events import ENGINE_START, ENGINE_STOP, RESUME, RunEvents
 from eagle3_core.sampling.phase import SamplingAborted, parse_completion, response_seed, sample_prompts
 from eagle3_core.sampling.table import iter_rows
 from eagle3_core.serving.engine import PortInUseError, VllmServer
-from tests.helpers.served_targets import FLOAT32
+from tests.helpers.served_targets import FLOAT32, pinned_dtypes
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,9 @@ SAMPLING = {"max_prompts": 32, "max_tokens": 32, "concurrency": 8, "rows_per_par
 
 
 def config_for(run_dir, **sampling):
-    return PipelineConfig(run_dir=run_dir, server=FLOAT32, sampling={**SAMPLING, **sampling})
+    return PipelineConfig.model_validate(
+        pinned_dtypes({"run_dir": run_dir, "server": FLOAT32, "sampling": {**SAMPLING, **sampling}})
+    )
 
 
 @pytest.fixture

@@ -42,6 +42,7 @@ from eagle3_core.vocab import build_vocab_map
 from tasks.hosts import on_host
 from tasks.policy import is_deterministic
 from tests.helpers.extraction_fixtures import build_sample_set
+from tests.helpers.served_targets import pinned_dtypes
 
 pytestmark = pytest.mark.slow
 
@@ -53,15 +54,17 @@ TRAINING = {"max_steps": 8, "ttt_steps": 2, "max_length": 96, "checkpoint_every"
 
 def run_config(target_dir: Path, run_dir: Path, **training: object) -> PipelineConfig:
     return PipelineConfig.model_validate(
-        {
-            "run_dir": str(run_dir),
-            "target": {"model": str(target_dir)},
-            "sampling": {"holdout_fraction": 0.0},
-            "extraction": {"backend": "hf"},
-            "vocab": {"draft_vocab_size": 300},
-            "training": {**TRAINING, "processes": 2, **training},
-            "orchestration": {"retries": 0},
-        }
+        pinned_dtypes(
+            {
+                "run_dir": str(run_dir),
+                "target": {"model": str(target_dir)},
+                "sampling": {"holdout_fraction": 0.0},
+                "extraction": {"backend": "hf"},
+                "vocab": {"draft_vocab_size": 300},
+                "training": {**TRAINING, "processes": 2, **training},
+                "orchestration": {"retries": 0},
+            }
+        )
     )
 
 

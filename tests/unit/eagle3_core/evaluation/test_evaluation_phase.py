@@ -14,6 +14,7 @@ from eagle3_core.evaluation.report import AcceptanceBelowFloor
 from eagle3_core.events import CACHE_HIT, RESUME, WEIGHT_LOAD, RunEvents
 from tests.helpers.evaluation_fixtures import exported_checkpoint, random_draft, varied_tiny_target
 from tests.helpers.extraction_fixtures import build_sample_set
+from tests.helpers.served_targets import pinned_dtypes
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +27,13 @@ def setup(tiny_llama: TargetModel, tmp_path_factory: pytest.TempPathFactory):
 
 
 def make_config(run_dir: Path, **evaluation) -> PipelineConfig:
-    return PipelineConfig.model_validate({
+    """Compute dtypes pinned: (a)'s lossless check below claims identity, which bfloat16 does not promise."""
+    return PipelineConfig.model_validate(pinned_dtypes({
         "run_dir": str(run_dir),
         "sampling": {"holdout_fraction": 0.5},
         "evaluation": {"max_prompts": 2, "max_new_tokens": 12, "with_vllm": False, "lossless_check_prompts": 1,
                        "cpu_threads": 1, **evaluation},
-    })  # fmt: skip
+    }))  # fmt: skip
 
 
 def test_random_draft_trips_the_guard_after_writing_the_report(setup, tmp_path: Path) -> None:

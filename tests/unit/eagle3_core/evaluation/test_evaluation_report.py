@@ -77,3 +77,21 @@ def test_report_flags_a_speedup_above_tau_as_noise(tmp_path: Path) -> None:
     noisy["vllm"]["sets"]["humaneval"]["batch1"]["speedup"] = 2.5
     markdown, _ = write_report(noisy, tmp_path)
     assert f"| {1 + 13 / 12:.3f} | 2.50 (noise: above τ) | 0.90 |" in markdown.read_text()
+
+
+def test_report_says_why_bf16_outputs_of_a_leave_plain_greedy(tmp_path: Path) -> None:
+    """In bfloat16 a k+1-token verification rounds differently from one-token steps: (a)'s lossless check
+    names such a departure a near-tie, and the report says so instead of showing a bare `2/3`."""
+    data = summary(None)
+    data["transformers"]["dtype"] = "bfloat16"
+    departed = {"prompt": "humaneval/3", "token": 17, "gap": 0.02, "near_tie": True}
+    data["transformers"]["sets"]["humaneval"] |= {
+        "identical_to_greedy": "2/3", "differences": [departed], "near_ties": 1, "defects": []
+    }  # fmt: skip
+    text = write_report(data, tmp_path)[0].read_text()
+    assert "| 2/3; near-ties 1; defects 0 |" in text
+    assert "(a) in bfloat16: 1 output(s) leave plain greedy at a near-tie" in text
+    assert "not lossless" not in text
+    data["transformers"]["sets"]["humaneval"] |= {"near_ties": 0, "defects": ["humaneval/3"]}
+    text = write_report(data, tmp_path)[0].read_text()
+    assert "| 2/3; near-ties 0; defects 1 (humaneval/3) |" in text and "not lossless" in text

@@ -9,10 +9,13 @@ import torch
 
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.draft.model import DraftConfig, DraftKVCache
+from eagle3_core.evaluation.departures import judge_token_difference
 from eagle3_core.evaluation.speculative import (
     eos_token_ids,
     greedy_generate,
+    greedy_with_gaps,
     load_target,
+    pool_prompt_sets,
     propose_chain,
     render_prompt,
     speculative_generate,
@@ -127,3 +130,40 @@ def test_generation_stops_at_end_of_sequence(tiny) -> None:
     stop = reference[5]  # pretend the sixth generated token ends the sequence
     result = speculative_generate(model, random_draft(target), prompt, 30, 3, {stop})
     assert result.tokens == reference[: reference.index(stop) + 1]
+
+
+def test_greedy_gaps_are_the_top2_logit_gaps_of_each_choice(tiny) -> None:
+    model, tokenizer, _ = tiny
+    prompt = render_prompt(tokenizer, MESSAGES[0])
+    tokens, gaps = greedy_with_gaps(model, prompt, 8, set())
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]  # [8, V]: each choice's
+    top2 = logits.topk(2).values  # [8, 2]
+    assert tokens == logits.argmax(-1).tolist() and len(gaps) == 8
+    assert gaps == pytest.approx((top2[:, 0] - top2[:, 1]).tolist(), abs=1e-3)
+
+
+def test_a_departure_is_a_near_tie_only_where_plain_greedy_was_a_close_call() -> None:
+    plain, gaps = [5, 6, 7, 8], [2.0, 0.01, 3.0, 1.0]
+    assert judge_token_difference("p", [5, 9, 1], plain, gaps, 0.05) == {
+        "prompt": "p", "token": 1, "gap": 0.01, "near_tie": True
+    }  # fmt: skip
+    assert not judge_token_difference("p", [5, 6, 9], plain, gaps, 0.05)["near_tie"]  # gap 3.0: a defect
+    assert not judge_token_difference("p", [5, 6, 7, 9], plain, gaps, 0.5)["near_tie"]  # 1.0 >= 0.5
+    past_end = judge_token_difference("p", [5, 6, 7, 8, 2], plain, gaps, 0.05)
+    assert past_end == {"prompt": "p", "token": 4, "gap": None, "near_tie": False}
+
+
+def test_pooled_lossless_check_counts_near_ties_and_names_defects() -> None:
+    from eagle3_core.evaluation.stats import AcceptanceStats
+
+    def measured(identical: str, differences: list[dict]) -> dict:
+        stats = AcceptanceStats(3, 4, [2, 1, 0]).to_json()
+        return {"acceptance": stats, "tokens": 10, "prompts": 3, "draft_s": 1.0, "target_s": 2.0,
+                "identical_to_greedy": identical, "differences": differences}  # fmt: skip
+
+    tie = {"prompt": "a/1", "token": 3, "gap": 0.01, "near_tie": True}
+    defect = {"prompt": "b/2", "token": 9, "gap": 4.0, "near_tie": False}
+    pooled = pool_prompt_sets({"a": measured("2/3", [tie]), "b": measured("2/3", [defect])})
+    assert pooled["identical_to_greedy"] == "4/6"
+    assert pooled["near_ties"] == 1 and pooled["defects"] == ["b/2"] and pooled["differences"] == [tie, defect]
