@@ -16,7 +16,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.files import folder_identity
 from eagle3_core.phases import PREPARE_TARGET
-from eagle3_core.target.hub import hub_id_of, resolve_commit
+from eagle3_core.target.hub import HubTargetError, hub_id_of, resolve_commit
 from eagle3_core.target.prepare import EMBEDDED, embedded_gguf, prepare_target
 from tasks.policy import PhaseCachePolicy, phase_task_options, run_phase
 from tasks.progress import PrefectProgress
@@ -26,14 +26,18 @@ PHASE = PREPARE_TARGET.name
 
 def target_identity(config: PipelineConfig) -> Any:
     """(name, size, mtime_ns) of the embedded GGUF or of every file in the local target folder; a Hub id's
-    repo and the commit its revision names now."""
+    repo and the commit its revision names now (a Hub id that cannot be resolved keys the failing run only:
+    Prefect would log a failed key computation as a traceback of its own)."""
     model = config.target.model
     if model in EMBEDDED:
         gguf = embedded_gguf(model)
         return [(gguf.name, (st := gguf.stat()).st_size, st.st_mtime_ns)]
     hub = hub_id_of(model)
     if hub is not None:
-        return {"repo_id": hub.repo_id, "commit": resolve_commit(hub)}
+        try:
+            return {"repo_id": hub.repo_id, "commit": resolve_commit(hub)}
+        except HubTargetError as exc:  # the task meets it again and fails with it: the run's one error line
+            return {"repo_id": hub.repo_id, "unresolved": str(exc)}
     return folder_identity(model)
 
 

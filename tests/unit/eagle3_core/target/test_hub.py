@@ -87,8 +87,11 @@ def test_a_moved_ref_changes_the_key_and_the_digest_and_says_so(hub_cache: Path,
 
 def test_offline_without_the_snapshot_or_with_half_of_it_is_one_clear_error(hub_cache: Path, tmp_path: Path):
     events = RunEvents(tmp_path / "run")
+    config = PipelineConfig.model_validate({"run_dir": str(tmp_path / "run"), "target": {"model": "org/absent"}})
     with pytest.raises(HubTargetError, match=r"HF_HUB_OFFLINE is set and the Hub cache .* has no snapshot of it"):
-        prepare_target(TargetConfig(model="org/absent"), events)
+        prepare_target(config.target, events)
+    unresolved = POLICY.key_content(config, {})["extra"]["unresolved"]
+    assert "has no snapshot of it" in unresolved, "the key still computes; the task fails with the error line"
     snapshot = prepare_target(TargetConfig(model="org/tiny"), events).root_path
     (snapshot / "model.safetensors").unlink()
     with pytest.raises(HubTargetError, match="lacks its weights: run once with network access"):
