@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_core.phases import PREPARE_TARGET
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter
 
 # What vLLM and transformers read to serve a model: weights, configs, tokenizer and chat template files.
@@ -42,7 +43,7 @@ SERVING_FILES = [
 HUB_ID = re.compile(r"(?P<repo_id>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
 COMMIT = re.compile(r"[0-9a-f]{40}")
 BYTES_BAR = "huggingface_hub.snapshot_download"  # the bar of bytes written, whose total is the files' sizes
-PHASE = "prepare_target"
+PHASE = PREPARE_TARGET.name
 
 
 class HubTargetError(ValueError):
