@@ -61,17 +61,19 @@ def load_upstream(kind: type[ManifestT], folder: Path, made_by: str) -> Manifest
 def user_errors() -> tuple[type[BaseException], ...]:
     """Failures the user can act on: a missing or wrong path (a target folder, a draft folder), a setting
     that does not fit the target, a dead or unreachable engine, a failed preflight, a full disk, a bad
-    prompt file, shard or manifest, a vocab map of other data. Everything else is a bug: a traceback."""
+    prompt file, shard or manifest, a vocab map of other data, a Hub id that cannot be resolved. Everything else
+    is a bug: a traceback."""
     from eagle3_core.extraction.storage import ShardError
     from eagle3_core.files import DiskFullError
     from eagle3_core.preflight import PreflightError
     from eagle3_core.sampling.prompts import PromptFileError
     from eagle3_core.serving.engine import ServerError
+    from eagle3_core.target.hub import HubTargetError
     from eagle3_core.vocab import StaleVocabMap
 
     paths = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
     return (*paths, ConfigError, PromptFileError, ServerError, PreflightError, DiskFullError, ShardError,
-            ArtifactInvalid, StaleVocabMap)  # fmt: skip
+            ArtifactInvalid, StaleVocabMap, HubTargetError)  # fmt: skip
 
 
 def command(name: str) -> Callable[[Callable[P, None]], Callable[P, None]]:
@@ -116,15 +118,20 @@ def show_config(config: ConfigOption = None, set_: SetOption = None) -> None:
 
 @command("prepare-target")
 def prepare_target_command(
-    model: Annotated[str | None, typer.Argument(help="Embedded target name or a local HF folder.")] = None,
+    model: Annotated[
+        str | None, typer.Argument(help="Embedded target name, a local HF folder, or a Hub id org/name[@revision].")
+    ] = None,
     config: ConfigOption = None,
     set_: SetOption = None,
 ) -> None:
-    """Convert the embedded target (once) or describe a local folder, and print its manifest."""
+    """Convert the embedded target (once), describe a local folder, or download a Hub id's serving files into
+    the Hub cache (resuming a stopped download), and print its manifest."""
+    from eagle3_core.progress import rich_progress
     from eagle3_core.target.prepare import prepare_target
 
     cfg = resolve_config(config, (set_ or []) + ([f"target.model={model}"] if model else []))
-    target = prepare_target(cfg.target, run_events(cfg))
+    with rich_progress() as progress:
+        target = prepare_target(cfg.target, run_events(cfg), progress)
     console.print(target.model_dump_json(indent=2, exclude={"files"}), highlight=False, markup=False)
 
 

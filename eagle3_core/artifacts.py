@@ -188,10 +188,11 @@ class TargetText(BaseModel):
 
 class TargetModel(Manifest):
     kind: ClassVar[str] = "target_model"
-    # `text` is read from config.json, which `config_digest` covers: digests stay those of manifests without it.
-    not_digested: ClassVar[frozenset[str]] = Manifest.not_digested | {"text"}
-    name: str = Field(description="Embedded target name or the folder's name.")
-    source: str = Field(description="Where it came from: `gguf:<sha256>` or `local`.")
+    # `text` is read from config.json, which `config_digest` covers, and a Hub target's repo and commit are in
+    # `source`: digests stay those of manifests without them.
+    not_digested: ClassVar[frozenset[str]] = Manifest.not_digested | {"text", "repo_id", "revision", "commit"}
+    name: str = Field(description="Embedded target name, the folder's name, or the Hub repo id.")
+    source: str = Field(description="Where it came from: `gguf:<sha256>`, `local` or `hub:<repo id>@<commit sha>`.")
     architecture: str = Field(description="First entry of config.json `architectures`.")
     model_type: str = Field(description="config.json `model_type`.")
     num_layers: int = Field(description="Decoder layers N; aux layer ids default to [2, N//2, N-3].")
@@ -209,6 +210,9 @@ class TargetModel(Manifest):
         description="The text config's fields later phases read, recorded once when the manifest is made (so "
         "config.json is read once); None in a manifest written before they were recorded.",
     )
+    repo_id: str | None = Field(None, description="Hugging Face Hub repo id of a target named by one, else None.")
+    revision: str | None = Field(None, description="The Hub revision asked for (`main` unless `@revision`).")
+    commit: str | None = Field(None, description="The Hub commit sha that revision resolved to: its snapshot.")
 
     @property
     def recorded_text(self) -> TargetText:

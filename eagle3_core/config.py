@@ -94,7 +94,8 @@ class Section(BaseModel):
 class TargetConfig(Section):
     model: str = Field(
         "smollm2-135m-instruct",
-        description="Embedded target name (smollm2-135m-instruct) or a local Hugging Face model folder.",
+        description="Embedded target name (smollm2-135m-instruct), a local Hugging Face model folder, or a Hub "
+        "id `org/name[@revision]` (an existing folder wins).",
         json_schema_extra=roles(prepare_target=INPUT),
     )
     cache_dir: Path = Field(

