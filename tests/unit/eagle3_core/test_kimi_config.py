@@ -1,4 +1,4 @@
-"""`configs/kimi-k2.5-tp8.yaml` against a Kimi-K2.5-shaped target folder with no weights (a config.json with
+"""`configs/kimi-k2.5-8gpu.yaml` against a Kimi-K2.5-shaped target folder with no weights (a config.json with
 the DeepSeek-V3 text model nested under `text_config`, as Kimi-K2.5's multimodal checkpoint has it): the
 layer ids, the storage bytes per token, the extraction and training preflight estimates (disk, memory) and
 the draft's shape, all computed by the pipeline's own functions, against numbers derived here from the
@@ -29,7 +29,7 @@ from eagle3_core.target.prepare import describe_folder
 from eagle3_core.training import preflight as training_preflight
 from eagle3_core.training.preflight import preflight_training
 
-CONFIG_FILE = Path(__file__).parents[3] / "configs" / "kimi-k2.5-tp8.yaml"
+CONFIG_FILE = Path(__file__).parents[3] / "configs" / "kimi-k2.5-8gpu.yaml"
 LAYERS, HIDDEN, VOCAB, HEADS, INTERMEDIATE = 61, 7168, 163840, 64, 18432
 KIMI_TEXT = {
     "architectures": ["DeepseekV3ForCausalLM"],
