@@ -1,8 +1,8 @@
 """The ready configs of configs/, named by model and GPU count: each loads through the CLI's own loader with
 its Hub id and GPU settings, and passes every heavy phase's preflight (tensor parallelism against the heads,
 layer ids against the depth, the draft's shape, the MLA check) against its model's real config.json
-(tests/data/target_configs; Kimi-K2.5's text config from test_kimi_config). The preflight runs on the
-config.json folder: the Hub id itself is resolved by prepare_target (branch `hub`)."""
+(tests/data/target_configs). The preflights run on a folder of that config.json: the Hub id itself is
+resolved by prepare_target (branch `hub`)."""
 
 from __future__ import annotations
 
@@ -28,26 +28,23 @@ from eagle3_core.sampling.preflight import preflight_sampling
 from eagle3_core.target.prepare import prepare_target
 from eagle3_core.training import preflight as training_preflight
 from eagle3_core.training.preflight import preflight_training
-from tests.unit.eagle3_core.test_kimi_config import KIMI_TEXT
 
 REPO = Path(__file__).resolve().parents[3]
 TARGET_CONFIGS = REPO / "tests" / "data" / "target_configs"
-KIMI_CONFIG = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": KIMI_TEXT}
 # config file -> (Hub id, the model's config.json, tensor-parallel GPUs, aux layer ids [2, N//2, N-3])
 READY = {
     "llama-3.1-8b-instruct-1gpu.yaml": ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b-instruct", 1, [2, 16, 29]),
     "llama-3.3-70b-instruct-8gpu.yaml": ("meta-llama/Llama-3.3-70B-Instruct", "llama-3.3-70b-instruct", 8, [2, 40, 77]),
     "qwen3-30b-a3b-2gpu.yaml": ("Qwen/Qwen3-30B-A3B", "qwen3-30b-a3b", 2, [2, 24, 45]),
-    "kimi-k2.5-8gpu.yaml": ("moonshotai/Kimi-K2.5", None, 8, [2, 30, 58]),
+    "kimi-k2.5-8gpu.yaml": ("moonshotai/Kimi-K2.5", "kimi-k2.5", 8, [2, 30, 58]),
 }
 
 
-def target_folder(tmp_path: Path, model: str | None) -> Path:
+def target_folder(tmp_path: Path, model: str) -> Path:
     """A folder holding only the model's real config.json, as prepare_target reads a local target."""
-    folder = tmp_path / (model or "kimi-k2.5")
+    folder = tmp_path / model
     folder.mkdir()
-    config = (TARGET_CONFIGS / model / "config.json").read_text() if model else json.dumps(KIMI_CONFIG)
-    (folder / "config.json").write_text(config)
+    (folder / "config.json").write_text((TARGET_CONFIGS / model / "config.json").read_text())
     return folder
 
 
