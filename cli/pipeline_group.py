@@ -4,6 +4,7 @@ and exit status 1."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -71,8 +72,16 @@ def one_line_usage_errors() -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
+def flowing(text: str | None) -> str | None:
+    """A docstring's paragraphs with their line breaks undone: typer's help keeps each one, mid-sentence."""
+    return None if text is None else re.sub(r"(?<!\n)\n(?!\n)", " ", text)
+
+
 class PipelineCommand(TyperCommand):
-    """A command of `eagle3`: its flags shown without a value type."""
+    """A command of `eagle3`: its help text flowing, its flags shown without a value type."""
+
+    def __init__(self, *args: Any, help: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, help=flowing(help), **kwargs)
 
     def get_params(self, ctx: Context) -> list[Parameter]:
         return without_flag_types(super().get_params(ctx))

@@ -39,10 +39,12 @@ def test_commands_added_later_slot_into_the_order():
 
 @pytest.mark.parametrize("command", [None, *PIPELINE])
 def test_every_option_says_what_it_does_and_flags_take_no_value(command):
+    """Each option has help text, flags show no `<bool>`, and the command's help flows as one paragraph."""
     group = get_command(app)
     target = group if command is None else group.commands[command]
     for param in target.get_params(Context(target)):
         assert getattr(param, "help", None), f"{command} {param.name}: no help text"
+    assert "\n" not in (target.help or ""), "a docstring's line breaks would break the help mid-sentence"
     args = ["--help"] if command is None else [command, "--help"]
     text = CliRunner().invoke(app, args, terminal_width=120).output
     assert "<bool>" not in text
