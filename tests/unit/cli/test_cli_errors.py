@@ -85,6 +85,11 @@ def test_a_corrupt_training_state_to_export_is_one_error_line(tmp_path, tiny_lla
     result = CliRunner().invoke(app, ["export", "--out", str(tmp_path / "out"), "--state", str(state), *sets])
     line = one_error_line(result)
     assert line.startswith(f"error: {state}: not a readable training state")
+    latest = run_dir / "draft" / "state" / "latest.json"  # the newest state, when --state is not given
+    latest.parent.mkdir(parents=True)
+    latest.write_text('{"file": "step-0000')
+    result = CliRunner().invoke(app, ["export", "--out", str(tmp_path / "out"), *sets])
+    assert one_error_line(result).startswith(f"error: {latest}: not valid JSON")
     assert not (tmp_path / "out").exists()
 
 
