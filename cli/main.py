@@ -12,20 +12,26 @@ from typing import Annotated, ParamSpec, TypeVar
 import typer
 from rich.console import Console
 
-from eagle3_core.artifacts import ArtifactInvalid, Manifest
+from cli.pipeline_group import PipelineCommand, PipelineGroup, print_error
+from eagle3_core.artifacts import ArtifactInvalid, Manifest, TargetModel
 from eagle3_core.config import ConfigError, PipelineConfig, dump_config, load_config
 from eagle3_core.dtypes import dtype_decision, record_dtype_decision
 from eagle3_core.events import RunEvents
+from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.run_layout import RunLayout
 
 ManifestT = TypeVar("ManifestT", bound=Manifest)
 P = ParamSpec("P")
 DEBUG: ContextVar[bool] = ContextVar("debug", default=False)  # `--debug`: tracebacks for every failure
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train EAGLE-3 drafters end to end.")
+app = typer.Typer(
+    cls=PipelineGroup, add_completion=False, no_args_is_help=True, help="Train EAGLE-3 drafters end to end."
+)
 console = Console()
 
-ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")]
+ConfigOption = Annotated[
+    Path | None, typer.Option("--config", "-c", help="YAML config file to read (default: every field at its default).")
+]
 SetOption = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a field: --set training.lr=3e-4")]
 
 
@@ -34,37 +40,44 @@ def resolve_config(config: Path | None, overrides: list[str] | None) -> Pipeline
     try:
         return load_config(config, overrides or [])
     except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        print_error(str(exc))
+        raise typer.Exit(1) from None
 
 
-def run_events(cfg: PipelineConfig, dtypes_for: str | None = None) -> RunEvents:
-    """The run's event log; for a phase that runs the target (`dtypes_for`), with its compute dtypes line."""
+def run_target(
+    cfg: PipelineConfig, dtypes_for: str | None = None, progress: ProgressCallback = ignore_progress
+) -> tuple[RunEvents, TargetModel]:
+    """The run's event log and its target (a Hub id's download reported to `progress`), resolved before the log
+    gets a line: a wrong target leaves no run folder behind. For a phase that runs the target (`dtypes_for`),
+    then its compute dtypes line."""
+    from eagle3_core.target.prepare import prepare_target
+
     events = RunEvents(cfg.run_dir)
+    target = prepare_target(cfg.target, events, progress)
     if dtypes_for:
         record_dtype_decision(cfg, events, dtypes_for)
-    return events
+    return events, target
 
 
 def load_upstream(kind: type[ManifestT], folder: Path, made_by: str) -> ManifestT:
     """The manifest an earlier phase wrote in `folder`, or exit naming the command that makes it."""
     if not (folder / f"{kind.kind}.json").is_file():
-        console.print(f"[red]error:[/red] no {kind.kind}.json in {folder}: run `eagle3 {made_by}` first")
-        raise typer.Exit(2)
+        print_error(f"no {kind.kind}.json in {folder}: run `eagle3 {made_by}` first")
+        raise typer.Exit(1)
     try:
         return kind.load(folder)
     except ArtifactInvalid as exc:
-        console.print(f"[red]error:[/red] {exc}: run `eagle3 {made_by}` again")
-        raise typer.Exit(2) from None
+        print_error(f"{exc}: run `eagle3 {made_by}` again")
+        raise typer.Exit(1) from None
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Failures the user can act on: a missing or wrong path (a target folder, a draft folder), a setting
     that does not fit the target, a dead or unreachable engine, a failed preflight, a full disk, a bad
-    prompt file, shard or manifest, a vocab map of other data, a Hub id that cannot be resolved. Everything else
-    is a bug: a traceback."""
+    prompt file, shard or manifest, a vocab map of other data, a corrupt config.json or training state, a Hub id
+    that cannot be resolved. Everything else is a bug: a traceback."""
     from eagle3_core.extraction.storage import ShardError
-    from eagle3_core.files import DiskFullError
+    from eagle3_core.files import DiskFullError, UnreadableFile
     from eagle3_core.preflight import PreflightError
     from eagle3_core.sampling.prompts import PromptFileError
     from eagle3_core.serving.engine import ServerError
@@ -73,7 +86,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     paths = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
     return (*paths, ConfigError, PromptFileError, ServerError, PreflightError, DiskFullError, ShardError,
-            ArtifactInvalid, StaleVocabMap, HubTargetError)  # fmt: skip
+            ArtifactInvalid, StaleVocabMap, UnreadableFile, HubTargetError)  # fmt: skip
 
 
 def command(name: str) -> Callable[[Callable[P, None]], Callable[P, None]]:
@@ -89,17 +102,19 @@ def command(name: str) -> Callable[[Callable[P, None]], Callable[P, None]]:
             except user_errors() as exc:
                 if DEBUG.get():
                     raise
-                console.print(f"error: {exc}", highlight=False, markup=False, style="red", soft_wrap=True)
+                print_error(str(exc))
                 raise typer.Exit(1) from None
 
-        return app.command(name)(run)
+        return app.command(name, cls=PipelineCommand)(run)
 
     return register
 
 
 @app.callback()
 def main(
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Log debug messages too, not only progress and decisions.")
+    ] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of every failure.")] = False,
 ) -> None:
     DEBUG.set(debug)
@@ -109,10 +124,22 @@ def main(
 
 
 @command("config")
-def show_config(config: ConfigOption = None, set_: SetOption = None) -> None:
+def show_config(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    explain: Annotated[
+        bool,
+        typer.Option(
+            "--explain", help="Comment every field with its description and its role in each phase that reads it."
+        ),
+    ] = False,
+) -> None:
     """Print the resolved configuration as YAML, and what each `auto` compute dtype stands for here."""
+    from cli.explain import explained_yaml
+
     cfg = resolve_config(config, set_)
-    console.print(dump_config(cfg), highlight=False, markup=False)
+    text = explained_yaml(cfg) if explain else dump_config(cfg)
+    console.print(text, highlight=False, markup=False, soft_wrap=True)  # YAML to copy: never wrapped
     console.print(f"# {dtype_decision(cfg)[0]}", highlight=False, markup=False, soft_wrap=True)
 
 
@@ -127,11 +154,10 @@ def prepare_target_command(
     """Convert the embedded target (once), describe a local folder, or download a Hub id's serving files into
     the Hub cache (resuming a stopped download), and print its manifest."""
     from eagle3_core.progress import rich_progress
-    from eagle3_core.target.prepare import prepare_target
 
     cfg = resolve_config(config, (set_ or []) + ([f"target.model={model}"] if model else []))
     with rich_progress() as progress:
-        target = prepare_target(cfg.target, run_events(cfg), progress)
+        _, target = run_target(cfg, progress=progress)
     console.print(target.model_dump_json(indent=2, exclude={"files"}), highlight=False, markup=False)
 
 
@@ -160,7 +186,7 @@ def run_command(
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from flows.temporary_server import own_temporary_server
 
-    own_temporary_server(run_events(cfg))  # ephemeral mode: a server that dies with this process
+    own_temporary_server(RunEvents(cfg.run_dir))  # ephemeral mode: a server that dies with this process
     start = time.monotonic()
     if nightly:
         from flows.regenerate import regenerate as flow_function
@@ -201,12 +227,10 @@ def extract_command(
     from eagle3_core.artifacts import SampleSet
     from eagle3_core.extraction.phase import extract_hidden_states
     from eagle3_core.progress import rich_progress
-    from eagle3_core.target.prepare import prepare_target
 
     cfg = resolve_config(config, set_)
-    events = run_events(cfg, "extraction")
     sample_set = load_upstream(SampleSet, samples or RunLayout.of(cfg).samples, "sample")
-    target = prepare_target(cfg.target, events)
+    events, target = run_target(cfg, "extraction")
     with rich_progress() as progress:
         hidden = extract_hidden_states(cfg, sample_set, target, events, progress=progress)
     console.print(hidden.model_dump_json(indent=2, exclude={"files"}), highlight=False, markup=False)
@@ -227,16 +251,14 @@ def evaluate_command(
     from eagle3_core.evaluation.phase import checkpoint_of, evaluate_draft
     from eagle3_core.evaluation.report import AcceptanceBelowFloor
     from eagle3_core.progress import rich_progress
-    from eagle3_core.target.prepare import prepare_target
 
     cfg = resolve_config(config, set_)
-    events = run_events(cfg, "evaluation")
     checkpoint = checkpoint_of(draft or RunLayout.of(cfg).draft.root)
     sample_dir = RunLayout.of(cfg).samples
     sample_set = SampleSet.load(sample_dir) if (sample_dir / f"{SampleSet.kind}.json").is_file() else None
+    events, target = run_target(cfg, "evaluation")
     if sample_set is None:
         console.print(f"[yellow]no SampleSet in {sample_dir}: measuring HumanEval only[/yellow]")
-    target = prepare_target(cfg.target, events)
     try:
         with rich_progress() as progress:
             report = evaluate_draft(cfg, checkpoint, target, sample_set, events, progress=progress)
@@ -258,12 +280,10 @@ def sample_command(config: ConfigOption = None, set_: SetOption = None) -> None:
     server.url); resumes by prompt id. Writes <run_dir>/samples/ and prints the accounting."""
     from eagle3_core.progress import rich_progress
     from eagle3_core.sampling.phase import sample_prompts
-    from eagle3_core.target.prepare import prepare_target
 
     cfg = resolve_config(config, set_)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one log line per request otherwise
-    events = run_events(cfg, "sampling")
-    target = prepare_target(cfg.target, events)
+    events, target = run_target(cfg, "sampling")
     with rich_progress() as progress:
         sample_set = sample_prompts(cfg, target, events, progress=progress)
     each = f" x {sample_set.responses_per_prompt} responses" if sample_set.responses_per_prompt > 1 else ""
@@ -288,13 +308,12 @@ def vocab_command(
     """Build the draft vocabulary from loss-masked tokens of the training rows (reused only for the same
     SampleSet); prints its size and coverage."""
     from eagle3_core.artifacts import SampleSet
-    from eagle3_core.target.prepare import prepare_target
     from eagle3_core.vocab import build_vocab_map
 
     cfg = resolve_config(config, set_)
-    events = run_events(cfg)
     sample_set = load_upstream(SampleSet, samples or RunLayout.of(cfg).samples, "sample")
-    vocab_map = build_vocab_map(cfg, sample_set, prepare_target(cfg.target, events), events)
+    events, target = run_target(cfg)
+    vocab_map = build_vocab_map(cfg, sample_set, target, events)
     console.print(
         f"draft vocabulary {vocab_map.draft_vocab_size} of {vocab_map.target_vocab_size} tokens, coverage "
         f"{vocab_map.coverage:.2%}; {vocab_map.root}",
@@ -319,16 +338,14 @@ def train_command(
 
     from eagle3_core.artifacts import HiddenStateSet, VocabMap
     from eagle3_core.progress import rich_progress
-    from eagle3_core.target.prepare import prepare_target
     from eagle3_core.training.launch import launched_rank
     from eagle3_core.training.phase import train_draft
 
     cfg = resolve_config(config, set_)
-    events = run_events(cfg)
     layout = RunLayout.of(cfg)
     hidden = load_upstream(HiddenStateSet, hidden_states or layout.hidden_states, "extract")
     vocab_map = load_upstream(VocabMap, vocab or layout.vocab, "vocab")
-    target = prepare_target(cfg.target, events)
+    events, target = run_target(cfg)
     with launched_rank() or rich_progress() as progress:
         checkpoint = record(train_draft)(cfg, hidden, vocab_map, target, events, progress=progress)
     metrics = {k: round(v, 4) for k, v in checkpoint.metrics.items() if k.startswith(("val_", "initial_val_top1"))}
@@ -344,12 +361,11 @@ def export_command(
 ) -> None:
     """Export a training state (e.g. an intermediate step) as an EAGLE-3 folder vLLM and SGLang load."""
     from eagle3_core.artifacts import HiddenStateSet, VocabMap
-    from eagle3_core.target.prepare import prepare_target
     from eagle3_core.training.phase import export_training_state
 
     cfg = resolve_config(config, set_)
     hidden = load_upstream(HiddenStateSet, RunLayout.of(cfg).hidden_states, "extract")
     vocab_map = load_upstream(VocabMap, RunLayout.of(cfg).vocab, "vocab")
-    target = prepare_target(cfg.target, run_events(cfg))
+    _, target = run_target(cfg)
     paths = export_training_state(cfg, hidden, vocab_map, target, out, state)
     console.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)

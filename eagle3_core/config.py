@@ -5,11 +5,13 @@ renders the tree as a form and a typo fails before any weight is loaded."""
 from __future__ import annotations
 
 import re
+import types
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -37,6 +39,17 @@ def _switch_word(value: Any) -> Any:
 
 # `compile: on` and `--set extraction.reuse_sampling_server=on` as a user types them, not only quoted.
 Switch = Annotated[Literal["off", "on", "auto"], BeforeValidator(_switch_word)]
+TORCH_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def _torch_device(value: str) -> str:
+    """A device the phases can run on, refused at load rather than when torch first sees it."""
+    if not TORCH_DEVICE.fullmatch(value):
+        raise ValueError(f"{value!r} is not a device: use auto, cpu, cuda or cuda:N")
+    return value
+
+
+Device = Annotated[str, AfterValidator(_torch_device)]
 
 
 # A field's role in each phase that reads it, kept in the field's JSON schema under PHASE_ROLES (the Prefect
@@ -162,7 +175,7 @@ class ServerConfig(Section):
         "in flight (sampling, extraction) scale with it.",
         json_schema_extra=operational("sampling", "extraction", "evaluation"),
     )
-    dtype: str = Field(
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
         description="vLLM --dtype (compute dtype of serving and vllm extraction); auto: bfloat16 on CUDA and on "
         "CPUs with bf16 instructions (avx512_bf16, AMX), float32 on other CPUs (bf16 is emulated there, 3.6x "
@@ -353,7 +366,7 @@ class ExtractionConfig(Section):
         description="Prefill requests in flight at once (vllm backend), per data-parallel engine.",
         json_schema_extra=operational("extraction"),
     )
-    device: str = Field(
+    device: Device = Field(
         "auto",
         description="Torch device of the hf backend: auto, cpu, cuda, cuda:1.",
         json_schema_extra=operational("extraction"),
@@ -582,7 +595,9 @@ class TrainingConfig(Section):
     seed: int = Field(
         0, description="Seed of initialisation, data order and dropout.", json_schema_extra=content("training")
     )
-    device: str = Field("auto", description="Torch device: auto, cpu, cuda.", json_schema_extra=operational("training"))
+    device: Device = Field(
+        "auto", description="Torch device: auto, cpu, cuda.", json_schema_extra=operational("training")
+    )
     warm_start: str | None = Field(
         None,
         description="Draft checkpoint folder to start from (None: fresh).",
@@ -695,7 +710,7 @@ class EvaluationConfig(Section):
         "float32 (float32 makes it equal greedy bit for bit).",
         json_schema_extra=content("evaluation"),
     )
-    device: str = Field(
+    device: Device = Field(
         "auto",
         description="Torch device of measurement (a): auto, cpu, cuda, cuda:1.",
         json_schema_extra=operational("evaluation"),
@@ -857,13 +872,50 @@ class PipelineConfig(Section):
     )
 
 
+def user_path(loc: tuple[int | str, ...]) -> str:
+    """The dotted path a user writes for an error's location: pydantic's names of union members
+    (`training.epochs.constrained-float`) are left out; list indices and mapping keys are kept."""
+    parts: list[str] = []
+    node: Any = PipelineConfig
+    for item in loc:
+        if isinstance(node, type) and issubclass(node, BaseModel):
+            field = node.model_fields.get(str(item))
+            node = field.annotation if field else None
+        elif get_origin(node) in (Union, types.UnionType):
+            members = [arg for arg in get_args(node) if arg is not type(None)]
+            if len(members) > 1:  # a real union: this item names the member pydantic tried
+                node = None
+                continue
+            node = members[0]  # `X | None`: pydantic checks X in place, naming no member
+            if get_origin(node) in (list, dict):
+                node = get_args(node)[-1]
+        elif get_origin(node) in (list, dict):
+            node = get_args(node)[-1]
+        parts.append(str(item))
+    return ".".join(parts) or "<root>"
+
+
+def _reason(err: Any) -> str:
+    if err["type"] == "extra_forbidden":
+        return "unknown field"
+    return err["msg"].removeprefix("Value error, ")
+
+
 def _error_message(exc: ValidationError, source: str) -> str:
-    lines = [f"invalid configuration in {source}:"]
+    """One line per field: `training.epochs: Input should be 'auto' or greater than 0 (got -1)`, the reasons
+    of a union's members joined; the value the user gave, unless it is a secret or a whole section."""
+    reasons: dict[str, list[str]] = {}
+    given: dict[str, str] = {}
     for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"]) or "<root>"
-        reason = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-        got = "" if err["type"] == SECRET_REFUSED else f" (got {err.get('input')!r})"
-        lines.append(f"  {path}: {reason}{got}")
+        path = user_path(err["loc"])
+        reason = _reason(err)
+        if reasons.setdefault(path, []):
+            reason = reason.removeprefix("Input should be ")
+        reasons[path].append(reason)
+        shown = err["type"] != SECRET_REFUSED and not isinstance(err.get("input"), dict)
+        given[path] = f" (got {err.get('input')!r})" if shown else ""
+    lines = [f"invalid configuration in {source}:"]
+    lines += [f"  {path}: {' or '.join(dict.fromkeys(texts))}{given[path]}" for path, texts in reasons.items()]
     return "\n".join(lines)
 
 

@@ -38,6 +38,25 @@ class DiskFullError(OSError):
         return DiskFullError, (self.path, self.needed, self.free)
 
 
+class UnreadableFile(ValueError):
+    """A file given to the pipeline (a draft's or a target's config.json) that is not what it should be:
+    the message names the file, what is wrong with it and what to do."""
+
+
+def read_json_object(path: Path, remedy: str) -> dict[str, Any]:
+    """The JSON object in `path`, or UnreadableFile naming the file, the defect and `remedy` (what to do)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except UnicodeDecodeError as exc:
+        raise UnreadableFile(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); {remedy}") from None
+    except json.JSONDecodeError as exc:
+        where = f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+        raise UnreadableFile(f"{path}: not valid JSON ({where}); {remedy}") from None
+    if not isinstance(data, dict):
+        raise UnreadableFile(f"{path}: holds a JSON {type(data).__name__}, not an object; {remedy}")
+    return data
+
+
 def free_bytes(path: Path) -> int:
     """Bytes free to this user on the file system of `path` (or of its nearest existing ancestor)."""
     path = Path(path).absolute()

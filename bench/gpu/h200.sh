@@ -37,7 +37,7 @@ T=$(python3 -c 'import tempfile; print(tempfile.gettempdir())')/eagle3-gpu
 OUT=${OUT:-$T/out}
 mkdir -p "$OUT" "$T"
 export PYTHONPATH=$T/site:$PWD PREFECT_HOME=$T/prefect HF_HOME=$T/hf
-CONFIG=configs/h200-smollm2.yaml
+CONFIG=bench/gpu/configs/h200-smollm2.yaml
 SETS=(--set "run_dir=$T/run" --set "target.cache_dir=$T/cache")
 read -ra EXTRA <<<"${EXTRA_SETS:-}"  # e.g. EXTRA_SETS="--set evaluation.max_prompts=8"
 SETS+=("${EXTRA[@]}")
@@ -191,7 +191,7 @@ case ${1:-} in
     timed python3 -m bench.gpu.device install || exit 1
     tokenizer
     random_target kimi "$T/kimi-w4a16"
-    CONFIG=configs/h200-kimi-w4a16.yaml
+    CONFIG=bench/gpu/configs/h200-kimi-w4a16.yaml
     BASE=(--set "run_dir=$T/run-kimi" --set "target.model=$T/kimi-w4a16" "${EXTRA[@]}")
     for draft in ${KIMI_DRAFTS:-llama mla}; do
       [ $((END - SECONDS)) -gt 90 ] || { echo "[h200.sh] no time left for the $draft draft" | tee -a "$OUT/steps.log"; break; }
@@ -292,7 +292,7 @@ case ${1:-} in
     gpu_watch
     tokenizer
     random_target kimi "$T/kimi-w4a16"
-    CONFIG=configs/h200-kimi-w4a16.yaml
+    CONFIG=bench/gpu/configs/h200-kimi-w4a16.yaml
     SETS=(--set "run_dir=$T/run-kimi" --set "target.model=$T/kimi-w4a16" --set server.tensor_parallel_size=2
       --set "extraction.reuse_sampling_server='on'" "${EXTRA[@]}")
     flow kimi-tp2

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "configs" / "h200-quality.yaml"
+CONFIG = REPO / "bench" / "gpu" / "configs" / "h200-quality.yaml"
 SAMPLED = ["sampling.temperature=0.7", "sampling.top_p=0.95"]
 # Data settings: sampling overrides, or (a data setting whose samples are reused, overrides) where only what
 # is built from the samples differs. n1 (greedy answers) is always sampled: the served stage takes its held-out

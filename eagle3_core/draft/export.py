@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_core.draft.model import DraftConfig, Eagle3Draft
-from eagle3_core.files import atomic_path, write_text_atomic
+from eagle3_core.files import UnreadableFile, atomic_path, read_json_object, write_text_atomic
 
 # Draft architecture -> (config.json `architectures`, `model_type`). The MLA draft says deepseek_v2, not
 # deepseek_v3: vLLM 0.32 turns every deepseek_v3 draft config into its MTP model
@@ -33,6 +33,7 @@ HF_ARCHITECTURES = {
     "deepseek_mla": ("Eagle3DeepseekV2ForCausalLM", "deepseek_v2"),
 }
 ARCHITECTURE = HF_ARCHITECTURES["llama"][0]
+DRAFT_REMEDY = "export the draft again (`eagle3 export --out DIR`) or use another draft folder"
 
 # Draft module parameter/buffer -> checkpoint tensor name. They coincide by design (the draft's modules
 # are named after the checkpoint); the map is what is written, and nothing else is.
@@ -264,14 +265,30 @@ def export_draft(draft: Eagle3Draft, out_dir: Path | str, dtype: torch.dtype = t
     return [config, weights]
 
 
+def read_draft_config(folder: Path | str) -> dict:
+    """A draft folder's config.json; UnreadableFile, naming the file, where it is not valid JSON or not the
+    config of an EAGLE-3 draft this pipeline exports."""
+    path = Path(folder) / "config.json"
+    config = read_json_object(path, DRAFT_REMEDY)
+    names, known = config.get("architectures"), [hf for hf, _ in HF_ARCHITECTURES.values()]
+    if not isinstance(names, list) or len(names) != 1 or names[0] not in known:
+        problem = f"not an EAGLE-3 draft (architectures {names!r}, not one of {known})"
+        raise UnreadableFile(f"{path}: {problem}; {DRAFT_REMEDY}")
+    return config
+
+
 def load_exported(path: Path | str, target_dir: Path | str | None = None) -> Eagle3Draft:
     """The draft of a folder written by `export_draft`; the embeddings come from the target (`target_dir`)
     unless the folder holds them."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
-    draft = Eagle3Draft(config_from_hf(json.loads((path / "config.json").read_text())))
-    weights = load_file(path / "model.safetensors")
+    draft = Eagle3Draft(config_from_hf(read_draft_config(path)))
+    try:
+        weights = load_file(path / "model.safetensors")
+    except SafetensorError as exc:
+        raise UnreadableFile(f"{path / 'model.safetensors'}: not readable ({exc}); {DRAFT_REMEDY}") from None
     embeddings = weights.pop("embed_tokens.weight", None)
     if embeddings is None:
         if target_dir is None:

@@ -10,7 +10,6 @@ no measurement, and a re-run fails again from the saved numbers without measurin
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -256,9 +255,11 @@ def build_report(
     key: str,
     upstream: dict[str, str],
 ) -> EvalReport:
+    from eagle3_core.draft.export import read_draft_config
+
     evaluation, k = config.evaluation, config.evaluation.num_speculative_tokens
     hf_stats, vllm_stats = headline(transformers, k), headline(vllm, k)
-    draft_ids = json.loads((draft_dir / "config.json").read_text()).get("eagle_aux_hidden_state_layer_ids")
+    draft_ids = read_draft_config(draft_dir).get("eagle_aux_hidden_state_layer_ids")
     failure = guard_message(
         position0(hf_stats.to_json() if hf_stats else None),
         position0(vllm_stats.to_json() if vllm_stats else None),
@@ -311,6 +312,8 @@ def guard(report: EvalReport) -> EvalReport:
 def checkpoint_of(folder: Path) -> DraftCheckpoint:
     """The DraftCheckpoint of a training run's draft folder, or one describing a bare export folder
     (config.json + model.safetensors written by `export_draft` or by another tool)."""
+    from eagle3_core.draft.export import read_draft_config
+
     folder = Path(folder)
     if (folder / f"{DraftCheckpoint.kind}.json").is_file():
         return DraftCheckpoint.load(folder)
@@ -318,5 +321,5 @@ def checkpoint_of(folder: Path) -> DraftCheckpoint:
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"{folder}: neither a draft checkpoint nor an export folder (missing {missing})")
-    layer_ids = json.loads(paths[0].read_text()).get("eagle_aux_hidden_state_layer_ids") or []
+    layer_ids = read_draft_config(folder).get("eagle_aux_hidden_state_layer_ids") or []
     return DraftCheckpoint(root=str(folder.resolve()), files=record_files(folder, paths), layer_ids=layer_ids)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from eagle3_core.artifacts import TargetModel
@@ -51,10 +50,10 @@ def preflight_evaluation(
     `extra_args`, its tensor parallelism)."""
     import torch
 
-    from eagle3_core.draft.export import HF_ARCHITECTURES
+    from eagle3_core.draft.export import HF_ARCHITECTURES, read_draft_config
 
     mla = uses_mla(target)
-    draft_architectures = json.loads((draft_dir / "config.json").read_text()).get("architectures")
+    draft_architectures = read_draft_config(draft_dir).get("architectures")
     mla_draft = draft_architectures == [HF_ARCHITECTURES["deepseek_mla"][0]]
     problems = []
     if engine == "vllm":

@@ -20,7 +20,7 @@ from pathlib import Path
 from eagle3_core.artifacts import ArtifactInvalid, TargetModel, TargetText, record_files
 from eagle3_core.config import TargetConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
-from eagle3_core.files import sha256_file, sha256_json
+from eagle3_core.files import read_json_object, sha256_file, sha256_json
 from eagle3_core.phases import PREPARE_TARGET
 from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.target.hub import HubId, download_snapshot, hub_id_of
@@ -70,7 +70,7 @@ def tokenizer_digest(sha_by_file: dict[str, str]) -> str:
 def describe_folder(model_dir: Path, name: str, source: str) -> TargetModel:
     """Build the manifest of a Hugging Face folder: hashes config and tokenizer, records weight sizes and the
     text config's fields later phases read (the one read of config.json)."""
-    config = json.loads((model_dir / "config.json").read_text())
+    config = read_json_object(model_dir / "config.json", "download the model again or point target.model elsewhere")
     text = config.get("text_config", config)
     hashed = [model_dir / "config.json"] + [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).exists()]
     index = model_dir / "model.safetensors.index.json"

@@ -6,6 +6,7 @@ vLLM/SGLang-loadable folder to `<run_dir>/draft/export/` with the resumable stat
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from eagle3_core.draft.export import export_draft, load_exported, sglang_ignores
 from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_core.draft.shape import trained_draft_config
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
-from eagle3_core.files import folder_identity, sha256_json, write_text_atomic
+from eagle3_core.files import UnreadableFile, folder_identity, sha256_json, write_text_atomic
 from eagle3_core.phases import TRAINING, phase_key
 from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.run_layout import RunLayout
@@ -233,7 +234,11 @@ def export_training_state(
     if state_file is None:
         raise FileNotFoundError(f"no training state under {state_dir}")
     draft = Eagle3Draft(draft_config_of(config, target, vocab_map, hidden_states.layer_ids))
-    state = torch.load(state_file, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(state_file, map_location="cpu", weights_only=False)
+    except (RuntimeError, pickle.UnpicklingError, EOFError) as exc:
+        remedy = f"pass another --state (training keeps its newest states in {state_dir})"
+        raise UnreadableFile(f"{state_file}: not a readable training state ({exc}); {remedy}") from None
     model = {**state["model"], **(state.get("ema") or {})}  # the averaged trainable weights over the raw ones
     missing, unexpected = draft.load_state_dict({k.removeprefix("draft."): v for k, v in model.items()}, strict=False)
     if missing != ["embed_tokens.weight"] or unexpected:

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from eagle3_core.files import atomic_path, write_text_atomic
+from eagle3_core.files import UnreadableFile, atomic_path, read_json_object, write_text_atomic
 
 LATEST = "latest.json"
 FROZEN = ("draft.embed_tokens.weight",)
@@ -132,7 +132,11 @@ def latest_state(state_dir: Path) -> Path | None:
     latest = state_dir / LATEST
     if not latest.exists():
         return None
-    path = state_dir / json.loads(latest.read_text())["file"]
+    remedy = f"delete it to train from the first step, or export a step-*.pt of {state_dir} with --state"
+    name = read_json_object(latest, remedy).get("file")
+    if not isinstance(name, str):
+        raise UnreadableFile(f"{latest}: names no state file; {remedy}")
+    path = state_dir / name
     return path if path.exists() else None
 
 

@@ -152,6 +152,6 @@ def test_unpack_checks_every_wheel_and_refuses_strangers(tmp_path: Path) -> None
 def test_h200_config_disables_the_flashinfer_sampler() -> None:
     """The staged wheels carry no flashinfer, and vLLM 0.26's GPU sampler imported it at engine start on the
     H200 (`ModuleNotFoundError: No module named 'flashinfer'`) unless VLLM_USE_FLASHINFER_SAMPLER=0."""
-    config = load_config(ROOT / "configs/h200-smollm2.yaml")
+    config = load_config(ROOT / "bench/gpu/configs/h200-smollm2.yaml")
     assert config.server.env.get("VLLM_USE_FLASHINFER_SAMPLER") == "0"
     assert not config.server.enforce_eager and config.server.dtype == "float32"

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from typer.testing import CliRunner
+import pytest
+from typer.testing import CliRunner, Result
 
 from cli.main import app
+from eagle3_core.draft.export import load_exported
+from eagle3_core.files import UnreadableFile
+from tests.helpers.extraction_fixtures import build_sample_set
 
 
 def test_a_missing_target_folder_is_one_error_line():
@@ -30,3 +34,97 @@ def test_debug_keeps_the_traceback():
     result = CliRunner().invoke(app, ["--debug", "prepare-target", "/nope/model"])
     assert isinstance(result.exception, FileNotFoundError)
     assert "error:" not in result.output
+
+
+def one_error_line(result: Result) -> str:
+    """The single `error:` line a mistake ends with (exit status 1, no traceback), its wrapping undone."""
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), "the error escaped as a traceback"
+    [line] = [line for line in result.output.splitlines() if line.strip()]
+    assert line.startswith("error: ") and "Traceback" not in result.output
+    return line
+
+
+@pytest.mark.parametrize(
+    ("config_json", "problem"),
+    [
+        ('{"architectures": [', "not valid JSON (Expecting value at line 2 column 1)"),
+        ("[1, 2]", "holds a JSON list, not an object"),
+        ('{"architectures": ["LlamaForCausalLM"]}', "not an EAGLE-3 draft (architectures ['LlamaForCausalLM']"),
+    ],
+)
+def test_a_draft_folder_with_a_broken_config_is_one_error_line_naming_the_file(tmp_path, config_json, problem):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(config_json + "\n")
+    (draft / "model.safetensors").write_bytes(b"")
+    result = CliRunner().invoke(app, ["evaluate", "--draft", str(draft), "--set", f"run_dir={tmp_path / 'run'}"])
+    line = one_error_line(result)
+    assert line.startswith(f"error: {draft / 'config.json'}: {problem}")
+    assert "eagle3 export --out DIR" in line
+    assert not (tmp_path / "run").exists()  # refused before the run folder got a line
+
+
+def test_a_warm_start_folder_with_a_broken_config_names_the_file(tmp_path):
+    """`training.warm_start` is read by the same reader: the training phase refuses it by name too."""
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(UnreadableFile, match=rf"^{tmp_path / 'config.json'}: not valid JSON"):
+        load_exported(tmp_path)
+
+
+def test_a_corrupt_training_state_to_export_is_one_error_line(tmp_path, tiny_llama, smollm2_target):
+    run_dir = tmp_path / "run"
+    build_sample_set(run_dir / "samples", smollm2_target.root_path, num_ok=2)
+    settings = [f"run_dir={run_dir}", f"target.model={tiny_llama.root}", "extraction.backend=hf",
+                "sampling.holdout_fraction=0"]  # fmt: skip
+    sets = [arg for setting in settings for arg in ("--set", setting)]
+    for step in ("extract", "vocab"):
+        assert CliRunner().invoke(app, [step, *sets]).exit_code == 0
+    state = tmp_path / "step-00000004.pt"
+    state.write_bytes(b"not a torch file")
+    result = CliRunner().invoke(app, ["export", "--out", str(tmp_path / "out"), "--state", str(state), *sets])
+    line = one_error_line(result)
+    assert line.startswith(f"error: {state}: not a readable training state")
+    latest = run_dir / "draft" / "state" / "latest.json"  # the newest state, when --state is not given
+    latest.parent.mkdir(parents=True)
+    latest.write_text('{"file": "step-0000')
+    result = CliRunner().invoke(app, ["export", "--out", str(tmp_path / "out"), *sets])
+    assert one_error_line(result).startswith(f"error: {latest}: not valid JSON")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_mistake_exits_1_naming_the_field_in_the_users_words(tmp_path):
+    """A union field (`epochs: auto | a positive number`) is reported by its own path, the members' reasons
+    joined, without pydantic's names for the members."""
+    config = tmp_path / "run.yaml"
+    config.write_text("training:\n  epochs: -1\n")
+    result = CliRunner().invoke(app, ["train", "--config", str(config)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert result.output.splitlines() == [
+        f"error: invalid configuration in {config}:",
+        "  training.epochs: Input should be 'auto' or greater than 0 (got -1)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["evaluate", "--bogus"], "error: No such option: --bogus. See `eagle3 evaluate --help`."),
+        (["export"], "error: Missing option '--out'. See `eagle3 export --help`."),
+        (["sampel"], "error: No such command 'sampel'. Did you mean 'sample'? See `eagle3 --help`."),
+        (["--nope", "config"], "error: No such option: --nope. See `eagle3 --help`."),
+    ],
+)
+def test_a_usage_mistake_is_one_error_line_with_exit_status_1(args, message):
+    assert one_error_line(CliRunner().invoke(app, args, prog_name="eagle3")) == message
+
+
+@pytest.mark.parametrize("command", ["prepare-target", "sample", "extract", "vocab", "train", "export", "evaluate"])
+def test_a_command_refused_by_its_checks_writes_no_run_folder(tmp_path, monkeypatch, command):
+    """In a fresh working directory, a wrong target or config leaves no `runs/default` behind."""
+    monkeypatch.chdir(tmp_path)
+    options = ["--out", "out"] if command == "export" else []
+    for setting in ("target.model=/nope/model", "server.dtype=bf16"):
+        result = CliRunner().invoke(app, [command, *options, "--set", setting])
+        assert result.exit_code == 1 and "error: " in result.output, result.output
+    assert list(tmp_path.iterdir()) == []

@@ -31,7 +31,7 @@ def test_extract_command_writes_the_hidden_state_set(tmp_path, tiny_llama, smoll
 
 def test_extract_without_samples_names_the_missing_folder(tmp_path):
     result = CliRunner().invoke(app, ["extract", "--set", f"run_dir={tmp_path}"])
-    assert result.exit_code == 2
+    assert result.exit_code == 1
     assert "sample_set.json" in result.output and str(tmp_path) in result.output.replace("\n", "")
 
 

@@ -1,4 +1,4 @@
-"""`configs/kimi-k2.5-tp8.yaml` against a Kimi-K2.5-shaped target folder with no weights (a config.json with
+"""`configs/kimi-k2.5-8gpu.yaml` against a Kimi-K2.5-shaped target folder with no weights (a config.json with
 the DeepSeek-V3 text model nested under `text_config`, as Kimi-K2.5's multimodal checkpoint has it): the
 layer ids, the storage bytes per token, the extraction and training preflight estimates (disk, memory) and
 the draft's shape, all computed by the pipeline's own functions, against numbers derived here from the
@@ -29,36 +29,11 @@ from eagle3_core.target.prepare import describe_folder
 from eagle3_core.training import preflight as training_preflight
 from eagle3_core.training.preflight import preflight_training
 
-CONFIG_FILE = Path(__file__).parents[3] / "configs" / "kimi-k2.5-tp8.yaml"
+CONFIG_FILE = Path(__file__).parents[3] / "configs" / "kimi-k2.5-8gpu.yaml"
 LAYERS, HIDDEN, VOCAB, HEADS, INTERMEDIATE = 61, 7168, 163840, 64, 18432
-KIMI_TEXT = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "kimi_k2",
-    "vocab_size": VOCAB,
-    "hidden_size": HIDDEN,
-    "intermediate_size": INTERMEDIATE,
-    "moe_intermediate_size": 2048,
-    "num_hidden_layers": LAYERS,
-    "first_k_dense_replace": 1,
-    "num_attention_heads": HEADS,
-    "num_key_value_heads": HEADS,
-    "n_routed_experts": 384,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "n_group": 1,
-    "topk_group": 1,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 50000.0,
-    "max_position_embeddings": 262144,
-    "tie_word_embeddings": False,
-    "bos_token_id": 163584,
-    "eos_token_id": 163585,
-}
+# Kimi-K2.5's config.json: the multimodal wrapper, its DeepSeek-V3 text model under `text_config`.
+KIMI_CONFIG = json.loads((Path(__file__).parents[2] / "data/target_configs/kimi-k2.5/config.json").read_text())
+KIMI_TEXT = KIMI_CONFIG["text_config"]
 
 
 @pytest.fixture
@@ -66,8 +41,7 @@ def kimi(tmp_path: Path) -> tuple[TargetModel, object]:
     """The Kimi-shaped target (config.json only) and the shipped config pointing at it."""
     folder = tmp_path / "Kimi-K2.5"
     folder.mkdir()
-    config_json = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25"}
-    (folder / "config.json").write_text(json.dumps({**config_json, "text_config": KIMI_TEXT}))
+    (folder / "config.json").write_text(json.dumps(KIMI_CONFIG))
     target = describe_folder(folder, "Kimi-K2.5", "local")
     config = load_config(CONFIG_FILE, [f"target.model={folder}", f"run_dir={tmp_path / 'run'}"])
     return target, config

@@ -43,7 +43,7 @@ SAMPLES: dict[Any, list[Any]] = {
     bool: [True, False],
     int: [7, 64, 1],
     float: [0.5, 0.25, 2.0],
-    str: ["bfloat16", "float16", "elsewhere"],
+    str: ["bfloat16", "float16", "elsewhere", "cpu"],  # cpu: the devices (auto, cpu, cuda, cuda:N)
     Path: [Path("elsewhere")],
 }
 # Fields whose only other values are refused by a validator at the default config, and their base.

@@ -1,4 +1,4 @@
-"""Reasoning capture with vLLM's `kimi_k2` reasoning parser (the one `configs/kimi-k2.5-tp8.yaml` serves
+"""Reasoning capture with vLLM's `kimi_k2` reasoning parser (the one `configs/kimi-k2.5-8gpu.yaml` serves
 with), pinned end to end short of the engine: vLLM's own parser splits a generated text, vLLM's own
 response objects carry the split to JSON as the server sends it, and `parse_completion` turns that JSON
 into the row fields sampling stores. A change in the parser (another split, another field name) fails
