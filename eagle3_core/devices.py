@@ -26,6 +26,7 @@ class DeviceFacts:
     cpu_model: str = "CPU"
     cpu_flags: frozenset[str] = field(default_factory=frozenset)
     cpu_cores: int = 1
+    compute_capability: float | None = None  # of the GPUs (the lowest); 8.0 and above compute in bf16
 
     @property
     def cuda(self) -> bool:
@@ -51,7 +52,11 @@ def facts_of(
     if not count:
         return DeviceFacts(0, cpu_model=cpu_model, cpu_flags=cpu_flags, cpu_cores=cpu_cores)
     smallest = min(gpus, key=lambda gpu: gpu.memory_bytes)
-    return DeviceFacts(count, smallest.name, smallest.memory_bytes, smallest.driver, cpu_model, cpu_flags, cpu_cores)
+    capabilities = [gpu.compute_capability for gpu in gpus if gpu.compute_capability is not None]
+    lowest = min(capabilities) if capabilities else None
+    return DeviceFacts(
+        count, smallest.name, smallest.memory_bytes, smallest.driver, cpu_model, cpu_flags, cpu_cores, lowest
+    )
 
 
 @cache

@@ -39,18 +39,19 @@ def parse_compute_apps(text: str) -> dict[int, int]:
 
 @dataclass(frozen=True)
 class GpuInfo:
-    """One GPU as nvidia-smi names it: its model, its memory and the driver that runs it."""
+    """One GPU as nvidia-smi names it: its model, its memory, the driver that runs it, its compute capability."""
 
     name: str
     memory_bytes: int
     driver: str
+    compute_capability: float | None
 
 
 def query_gpus() -> list[GpuInfo]:
     """Every GPU nvidia-smi lists (not narrowed by CUDA_VISIBLE_DEVICES); [] where there is none."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version,compute_cap", "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             timeout=30,
@@ -62,10 +63,12 @@ def query_gpus() -> list[GpuInfo]:
 
 
 def parse_gpus(text: str) -> list[GpuInfo]:
-    """nvidia-smi's `name, memory.total (MiB), driver_version` lines -> GpuInfo each."""
+    """nvidia-smi's `name, memory.total (MiB), driver_version, compute_cap` lines -> GpuInfo each (a
+    compute capability nvidia-smi cannot tell, `[N/A]`, is None)."""
     gpus = []
     for line in text.splitlines():
         fields = [f.strip() for f in line.split(",")]
-        if len(fields) == 3 and fields[1].isdigit():
-            gpus.append(GpuInfo(name=fields[0], memory_bytes=int(fields[1]) * 2**20, driver=fields[2]))
+        if len(fields) == 4 and fields[1].isdigit():
+            capability = float(fields[3]) if fields[3].replace(".", "", 1).isdigit() else None
+            gpus.append(GpuInfo(fields[0], int(fields[1]) * 2**20, fields[2], capability))
     return gpus

@@ -23,6 +23,7 @@ from typing import Any
 from eagle3_core.config import PipelineConfig, ServerConfig
 from eagle3_core.devices import GIB, DeviceFacts, host_facts
 from eagle3_core.dtypes import AUTO
+from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.model_size import ModelSize, model_size
 
 GPU_HEADROOM_BYTES = 6 * GIB
@@ -157,10 +158,16 @@ def server_decision(config: PipelineConfig, facts: DeviceFacts | None = None) ->
     facts = facts or host_facts()
     choices = server_choices(config.server, facts, target_size(config.target.model))
     parts = [
-        f"{name} {c.value}" if c.reason == "set" else f"{name} auto -> {c.value} ({c.reason})"
+        f"{name} {c.value} (set)" if c.reason == "set" else f"{name} auto -> {c.value} ({c.reason})"
         for name, c in choices.items()
     ]
     env = device_env(facts)
     env_part = f"engine env {', '.join(f'{k}={v}' for k, v in env.items())}" if env else "no VLLM_CPU_* env"
     line = f"server on {facts.describe()}: {'; '.join(parts)}; {env_part}"
     return line, {"server": {name: c.value for name, c in choices.items()}, "devices": facts.describe()}
+
+
+def record_server_decision(config: PipelineConfig, events: RunEvents, phase: str) -> None:
+    """The one `decision` line of a run about its server settings on this host."""
+    line, fields = server_decision(config)
+    events.record(phase, DECISION, line, **fields)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.devices import GIB, DeviceFacts
 from eagle3_core.evaluation.phase import served_unavailable
@@ -27,6 +28,7 @@ from eagle3_core.planning.estimate import (
 from eagle3_core.sampling.prompts import Prompt, load_prompts
 from eagle3_core.sampling.table import is_heldout
 from eagle3_core.server_defaults import resolved_server_config, server_decision, target_size
+from eagle3_core.target.prepare import EMBEDDED
 from eagle3_core.training.preflight import draft_parameters, training_memory_bytes
 
 RUNS, SKIPPED = "runs", "skipped (done)"
@@ -82,10 +84,15 @@ def memory_line(config: PipelineConfig, facts: DeviceFacts, size: ModelSize | No
     if memory is None:
         return None, None
     length = config.server.max_model_len
+    kv = (
+        f"{gib(memory.kv_cache)} of KV cache (~{memory.kv_tokens:,} tokens, {memory.kv_tokens / length:.1f} x "
+        f"max_model_len {length:,})"
+        if memory.kv_cache > 0
+        else "no room for a KV cache"
+    )
     line = (
-        f"GPU memory a rank: {gib(memory.weights)} of weights + {gib(memory.kv_cache)} of KV cache "
-        f"(~{memory.kv_tokens:,} tokens, {memory.kv_tokens / length:.1f} x max_model_len {length:,}) "
-        f"= {gib(memory.usable)} ({config.server.gpu_memory_utilization} of {gib(facts.gpu_memory_bytes)})"
+        f"GPU memory a rank: {gib(memory.weights)} of weights + {kv} in {gib(memory.usable)} "
+        f"({config.server.gpu_memory_utilization} of {gib(facts.gpu_memory_bytes)})"
     )
     if memory.fits(length):
         return line, None
@@ -138,6 +145,18 @@ def extraction_plan(
     return plan, 0 if done.hidden_states else stored
 
 
+def draft_line(config: PipelineConfig, target: TargetModel) -> str:
+    """The draft's trainable parameters and memory a training process, or why it cannot be built."""
+    try:
+        layer_ids = resolve_layer_ids(config, target)
+        vocab = min(config.vocab.draft_vocab_size, target.vocab_size)
+        trainable, frozen = draft_parameters(config.training, target, vocab, layer_ids)
+    except ValueError as exc:  # ConfigError included: the phases' preflights refuse it the same way
+        return f"draft: not buildable ({exc})"
+    memory = gib(training_memory_bytes(trainable, frozen))
+    return f"draft: {trainable / 1e6:,.0f}M trainable parameters, {memory} a process before activations"
+
+
 def training_plan(config: PipelineConfig, facts: DeviceFacts, trained: int, done: DonePhases) -> PhasePlan:
     tc = config.training
     processes = training_processes(tc, facts)
@@ -147,13 +166,7 @@ def training_plan(config: PipelineConfig, facts: DeviceFacts, trained: int, done
         f"batch {tc.batch_size} a process"
     ]
     if done.target is not None:
-        layer_ids = resolve_layer_ids(config, done.target)
-        vocab = min(config.vocab.draft_vocab_size, done.target.vocab_size)
-        trainable, frozen = draft_parameters(tc, done.target, vocab, layer_ids)
-        costs.append(
-            f"draft: {trainable / 1e6:,.0f}M trainable parameters, {gib(training_memory_bytes(trainable, frozen))} "
-            "a process before activations"
-        )
+        costs.append(draft_line(config, done.target))
     where = f"torchrun, {processes} processes" if processes > 1 else f"this process on {device_on(tc.device, facts)}"
     return PhasePlan(
         "training", status_of(done.draft), f"{tc.draft_architecture} draft, {tc.optimizer}", costs, [where]
@@ -167,7 +180,9 @@ def evaluation_plan(config: PipelineConfig, facts: DeviceFacts, heldout: int, do
     engines = [f"transformers in this process on {device_on(ev.device, facts)} (a)"] if ev.with_transformers else []
     unavailable = served_unavailable(config)
     if unavailable is None:
-        engines.append(engine_line(config, facts, f"{ev.engine}: the target, then target + draft (b)"))
+        what = "server for (b): the target, then target + draft"
+        sglang = f"SGLang {what}, tp {config.server.tensor_parallel_size} (evaluation.sglang_python's environment)"
+        engines.append(sglang if ev.engine == "sglang" else engine_line(config, facts, what))
     else:
         engines.append(f"no served measurement (b): {unavailable}")
     return PhasePlan(
@@ -224,7 +239,8 @@ def plan_run(config: PipelineConfig, facts: DeviceFacts, prompts: list[Prompt] |
         training_plan(config, facts, trained, done),
         evaluation_plan(config, facts, rows.samples - train_rows.samples, done),
     ]
-    return RunPlan(facts.describe(), decision, phases, [p for p in (problem,) if p], stored)
+    missing = None if size or config.target.model in EMBEDDED else f"target.model {config.target.model}: no config.json"
+    return RunPlan(facts.describe(), decision, phases, [p for p in (missing, problem) if p], stored)
 
 
 def prepare_plan(config: PipelineConfig, done: DonePhases, size: ModelSize | None) -> PhasePlan:
@@ -234,7 +250,8 @@ def prepare_plan(config: PipelineConfig, done: DonePhases, size: ModelSize | Non
         else []
     )
     if done.target is not None:
-        return PhasePlan("prepare_target", SKIPPED, f"{done.target.name} at {done.target.root}", weights)
+        where = "in place" if done.target.source == "local" else "converted already"
+        return PhasePlan("prepare_target", where, f"{done.target.name} at {done.target.root}", weights)
     return PhasePlan("prepare_target", RUNS, f"converts the embedded {config.target.model} GGUF once (one weight load)")
 
 

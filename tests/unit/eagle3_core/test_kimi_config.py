@@ -28,37 +28,14 @@ from eagle3_core.preflight import PreflightError
 from eagle3_core.target.prepare import describe_folder
 from eagle3_core.training import preflight as training_preflight
 from eagle3_core.training.preflight import preflight_training
+from tests.helpers.targets import KIMI_HEADS as HEADS
+from tests.helpers.targets import KIMI_HIDDEN as HIDDEN
+from tests.helpers.targets import KIMI_INTERMEDIATE as INTERMEDIATE
+from tests.helpers.targets import KIMI_LAYERS as LAYERS
+from tests.helpers.targets import KIMI_TEXT
+from tests.helpers.targets import KIMI_VOCAB as VOCAB
 
 CONFIG_FILE = Path(__file__).parents[3] / "configs" / "kimi-k2.5-tp8.yaml"
-LAYERS, HIDDEN, VOCAB, HEADS, INTERMEDIATE = 61, 7168, 163840, 64, 18432
-KIMI_TEXT = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "kimi_k2",
-    "vocab_size": VOCAB,
-    "hidden_size": HIDDEN,
-    "intermediate_size": INTERMEDIATE,
-    "moe_intermediate_size": 2048,
-    "num_hidden_layers": LAYERS,
-    "first_k_dense_replace": 1,
-    "num_attention_heads": HEADS,
-    "num_key_value_heads": HEADS,
-    "n_routed_experts": 384,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "n_group": 1,
-    "topk_group": 1,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 50000.0,
-    "max_position_embeddings": 262144,
-    "tie_word_embeddings": False,
-    "bos_token_id": 163584,
-    "eos_token_id": 163585,
-}
 
 
 @pytest.fixture
