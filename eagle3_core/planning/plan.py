@@ -56,7 +56,7 @@ class RunPlan:
 
 
 def gb(value: float) -> str:
-    return f"{value / 1e9:,.1f} GB"
+    return f"{value / 1e9:,.1f} GB" if value >= 1e9 else f"{value / 1e6:,.1f} MB"
 
 
 def gib(value: float) -> str:
@@ -162,7 +162,7 @@ def training_plan(config: PipelineConfig, facts: DeviceFacts, trained: int, done
     processes = training_processes(tc, facts)
     steps = training_steps(trained, tc, processes)
     costs = [
-        f"{steps.total:,} steps ({steps.epochs} of {steps.steps_per_epoch:,}) on {steps.samples:,} samples, "
+        f"{steps.total:,} steps ({steps.epochs}; {steps.steps_per_epoch:,} an epoch) on {steps.samples:,} samples, "
         f"batch {tc.batch_size} a process"
     ]
     if done.target is not None:
