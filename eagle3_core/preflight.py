@@ -18,6 +18,7 @@ from typing import Any
 from eagle3_core.config import PipelineConfig, ServerConfig
 from eagle3_core.events import PREFLIGHT, RunEvents
 from eagle3_core.gpus import gpu_compute_apps, has_cuda_gpus
+from eagle3_core.server_defaults import concrete_server
 from eagle3_core.serving.lifecycle import PortInUseError, check_port_free
 
 
@@ -67,12 +68,14 @@ def gpu_problem(needed: int, visible: int, busy: dict[int, int], why: str = "") 
 
 def server_gpus(server: ServerConfig) -> int:
     """GPUs a started vLLM server takes on a GPU host: tensor_parallel_size for each of its
-    data_parallel_size engines."""
+    data_parallel_size engines (`auto` as this host runs them)."""
+    server = concrete_server(server)
     return server.tensor_parallel_size * server.data_parallel_size
 
 
 def server_gpus_source(server: ServerConfig) -> str:
     """Where `server_gpus` comes from, for a preflight message."""
+    server = concrete_server(server)
     return (
         f" (server.tensor_parallel_size {server.tensor_parallel_size} x data_parallel_size {server.data_parallel_size})"
     )

@@ -24,9 +24,13 @@ from prefect.tasks import Task
 
 from eagle3_core.artifacts import DraftCheckpoint, EvalReport, Manifest
 from eagle3_core.config import PipelineConfig
+from eagle3_core.devices import host_facts
 from eagle3_core.dtypes import record_dtype_decision
+from eagle3_core.engine_versions import require_supported_vllm
 from eagle3_core.events import RunEvents
 from eagle3_core.extraction.layout import resolve_layer_ids
+from eagle3_core.planning.plan import plan_run, render_plan
+from eagle3_core.server_defaults import record_server_decision, resolved_server_config
 from flows.hooks import stop_engines
 from flows.summary import PhaseRun, write_summary
 from tasks.evaluation import evaluate_draft_task
@@ -71,10 +75,22 @@ def run_all_phases(config: PipelineConfig, runner: Callable[..., Any]) -> tuple[
     return checkpoint, report
 
 
+def post_plan(config: PipelineConfig, key: str) -> PipelineConfig:
+    """Check the engine version, record the compute dtypes and server settings this host gives `auto`, post
+    the plan (what each phase will do and cost, what is done) as a markdown artifact; the config resolved."""
+    require_supported_vllm(config)
+    events = RunEvents(config.run_dir)
+    record_dtype_decision(config, events, "flow")
+    record_server_decision(config, events, "flow")
+    plan = plan_run(config, host_facts())
+    create_markdown_artifact(render_plan(plan, config.run_dir), key=key, description="What each phase will do")
+    return resolved_server_config(config)
+
+
 def run_pipeline(config: PipelineConfig, summary_key: str) -> tuple[DraftCheckpoint, EvalReport]:
-    """Every phase, then the summary (also after a failure: it says which phase failed and why)."""
+    """The plan, every phase, then the summary (also after a failure: it says which phase failed and why)."""
     started = time.time()
-    record_dtype_decision(config, RunEvents(config.run_dir), "flow")
+    config = post_plan(config, summary_key.replace("summary", "plan"))
     runner = PhaseRunner(config)
     checkpoint: DraftCheckpoint | None = None
     report: EvalReport | None = None

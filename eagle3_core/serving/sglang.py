@@ -18,6 +18,7 @@ from typing import Any
 
 from eagle3_core.config import ServerConfig
 from eagle3_core.gpus import has_cuda_gpus
+from eagle3_core.server_defaults import concrete_server
 from eagle3_core.serving.lifecycle import EngineServer, free_port
 
 LOAD_END = re.compile(r"Load weight end\. elapsed=(?P<seconds>[\d.]+) s")
@@ -38,6 +39,7 @@ def sglang_command(
 ) -> list[str]:
     """The server's argv: `server.*` as SGLang's flags (`enforce_eager` as `--disable-cuda-graph`, the GPU
     memory share as `--mem-fraction-static` on CUDA hosts), then `extra_args` (the draft's, the user's)."""
+    config = concrete_server(config, model_dir)
     command = [launch.python, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", config.host]
     command += ["--port", str(port), "--dtype", launch.dtype, "--tp-size", str(config.tensor_parallel_size)]
     command += ["--context-length", str(config.max_model_len)]

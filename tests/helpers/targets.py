@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from eagle3_core.artifacts import TargetModel
@@ -45,3 +46,12 @@ def smollm2_shaped_target() -> TargetModel:
             "chat_template": None,
         }
     )
+
+
+# Kimi-K2.5's config.json (the multimodal wrapper, its DeepSeek-V3-shaped text model under `text_config`: MLA
+# attention, 384 routed experts), kept as published in tests/data.
+KIMI_CONFIG = json.loads((Path(__file__).parents[1] / "data/target_configs/kimi-k2.5/config.json").read_text())
+KIMI_TEXT = KIMI_CONFIG["text_config"]
+KIMI_LAYERS, KIMI_HIDDEN, KIMI_VOCAB, KIMI_HEADS, KIMI_INTERMEDIATE = (
+    KIMI_TEXT[k] for k in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "intermediate_size")
+)

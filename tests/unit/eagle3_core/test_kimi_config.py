@@ -28,12 +28,14 @@ from eagle3_core.preflight import PreflightError
 from eagle3_core.target.prepare import describe_folder
 from eagle3_core.training import preflight as training_preflight
 from eagle3_core.training.preflight import preflight_training
+from tests.helpers.targets import KIMI_CONFIG
+from tests.helpers.targets import KIMI_HEADS as HEADS
+from tests.helpers.targets import KIMI_HIDDEN as HIDDEN
+from tests.helpers.targets import KIMI_INTERMEDIATE as INTERMEDIATE
+from tests.helpers.targets import KIMI_LAYERS as LAYERS
+from tests.helpers.targets import KIMI_VOCAB as VOCAB
 
 CONFIG_FILE = Path(__file__).parents[3] / "configs" / "kimi-k2.5-8gpu.yaml"
-LAYERS, HIDDEN, VOCAB, HEADS, INTERMEDIATE = 61, 7168, 163840, 64, 18432
-# Kimi-K2.5's config.json: the multimodal wrapper, its DeepSeek-V3 text model under `text_config`.
-KIMI_CONFIG = json.loads((Path(__file__).parents[2] / "data/target_configs/kimi-k2.5/config.json").read_text())
-KIMI_TEXT = KIMI_CONFIG["text_config"]
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from eagle3_core.config import CONTENT, EVERY_PHASE, INPUT, OPERATIONAL, VERDICT, VLLM, PipelineConfig
 from eagle3_core.dtypes import with_resolved_dtypes
 from eagle3_core.phases import PHASES, config_fields, field_roles, marked_roles, unkeyed_defaults
+from eagle3_core.server_defaults import with_resolved_server
 from tasks.evaluation import POLICY as EVALUATION_POLICY
 from tasks.extraction import POLICY as EXTRACTION_POLICY
 from tasks.sampling import POLICY as SAMPLING_POLICY
@@ -76,19 +77,25 @@ def value_at(data: dict[str, Any], path: str) -> Any:
     return data[section][name] if section else data[name]
 
 
+def resolved(config: PipelineConfig) -> dict[str, Any]:
+    """The config as its keys see it: `auto` dtypes and server fields as this host runs them."""
+    return with_resolved_server(with_resolved_dtypes(config.model_dump(mode="json"), config), config)
+
+
 def changed(path: str) -> tuple[PipelineConfig, PipelineConfig]:
     """(base, changed): the default config (or BASES') and a copy with the field at `path` set to another
-    valid value that this host resolves differently (`auto` and float32 are one value on a CPU without bf16)."""
+    valid value that this host resolves differently (`auto` and float32 are one value on a CPU without bf16,
+    `auto` and enforce_eager true on any CPU)."""
     base = PipelineConfig.model_validate(BASES.get(path, {}))
     section, _, name = path.rpartition(".")
-    before = value_at(with_resolved_dtypes(base.model_dump(mode="json"), base), path)
+    before = value_at(resolved(base), path)
     for candidate in VALUES.get(path, []) + candidates(dict(config_fields())[path].annotation):
         config = base.model_copy(deep=True)
         try:
             setattr(getattr(config, section) if section else config, name, candidate)
         except ValidationError:
             continue
-        if value_at(with_resolved_dtypes(config.model_dump(mode="json"), config), path) != before:
+        if value_at(resolved(config), path) != before:
             return base, config
     raise AssertionError(f"{path}: no other valid value found to change it to")
 

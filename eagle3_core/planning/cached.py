@@ -1,0 +1,87 @@
+"""Which phases of a run are already done and will be skipped, found the way each phase finds it when it
+runs (its manifest in `run_dir`, its recorded config key against the key computed now, its upstream
+digests against the manifests before it, its files intact), but reading only: nothing is written, no
+event is recorded, no weight is loaded. A phase whose input is not done yet is not done either."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3_core.artifacts import DraftCheckpoint, EvalReport, HiddenStateSet, SampleSet, TargetModel, VocabMap
+from eagle3_core.config import PipelineConfig
+from eagle3_core.dtypes import resolved_config
+from eagle3_core.evaluation.phase import cached_report, collect_prompts, measurement_keys, verdict_fields
+from eagle3_core.events import RunEvents
+from eagle3_core.extraction import phase as extraction
+from eagle3_core.files import sha256_file
+from eagle3_core.run_layout import RunLayout
+from eagle3_core.sampling.prompts import Prompt
+from eagle3_core.sampling.store import SampleStore, key_matches
+from eagle3_core.target.prepare import EMBEDDED, converted_dir, describe_folder, embedded_gguf
+from eagle3_core.training import phase as training
+from eagle3_core.vocab import phase_config as vocab_config
+
+
+@dataclass
+class DonePhases:
+    """The manifests of the phases already done (None: the phase will run), and the sample rows already ok."""
+
+    target: TargetModel | None = None
+    samples: SampleSet | None = None
+    hidden_states: HiddenStateSet | None = None
+    vocab: VocabMap | None = None
+    draft: DraftCheckpoint | None = None
+    report: EvalReport | None = None
+    ok_rows: int = 0
+
+
+def known_target(config: PipelineConfig) -> TargetModel | None:
+    """The target's manifest without converting anything: a local folder described in place, the
+    embedded target's converted folder if it exists; None where the conversion is still to come."""
+    model = config.target.model
+    if model not in EMBEDDED:
+        folder = Path(model).expanduser()
+        return describe_folder(folder, folder.name, "local") if (folder / "config.json").is_file() else None
+    return TargetModel.load_valid(converted_dir(config.target, sha256_file(embedded_gguf(model))))
+
+
+def done_samples(config: PipelineConfig, target: TargetModel, prompts: list[Prompt]) -> tuple[SampleSet | None, int]:
+    """The finished SampleSet of this run key (no error rows), else None and the rows already ok."""
+    store = SampleStore.of_run(config, target, prompts, RunEvents(config.run_dir))  # its reads record nothing
+    stored = SampleSet.load_valid(store.out_dir)
+    if stored is not None and not stored.error and key_matches(stored.config, store.key):
+        return stored, stored.ok
+    return None, len(store.ok_ids())
+
+
+def find_done(config: PipelineConfig, prompts: list[Prompt]) -> DonePhases:
+    """Walk the phases in order, each done only where the one before it is (see the module docstring)."""
+    done = DonePhases(target=known_target(config))
+    target, layout = done.target, RunLayout.of(config)
+    if target is None:
+        return done
+    done.samples, done.ok_rows = done_samples(config, target, prompts)
+    if done.samples is None:
+        return done
+    done.hidden_states = extraction.cached_manifest(
+        layout.hidden_states, extraction.phase_config(config, target), extraction.upstream_of(done.samples, target)
+    )
+    stored_vocab = VocabMap.load_valid(layout.vocab)
+    vocab_upstream = {"sample_set": done.samples.digest, "target": target.digest}
+    if stored_vocab and stored_vocab.config == vocab_config(config, target) and stored_vocab.upstream == vocab_upstream:
+        done.vocab = stored_vocab
+    if done.hidden_states is None or done.vocab is None:
+        return done
+    done.draft = training.cached_checkpoint(
+        layout.draft.root,
+        training.phase_config(config),
+        training.upstream_of(done.hidden_states, done.vocab, target),
+    )
+    if done.draft is None:
+        return done
+    resolved = resolved_config(config)
+    upstream = {"draft_checkpoint": done.draft.digest, "target_model": target.digest, "sample_set": done.samples.digest}
+    _, key = measurement_keys(resolved, upstream, collect_prompts(resolved, done.samples))
+    done.report = cached_report(layout.eval, key, verdict_fields(resolved))
+    return done
