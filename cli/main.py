@@ -330,19 +330,93 @@ def train_command(
 
 @command("export")
 def export_command(
-    out: Annotated[Path, typer.Option("--out", help="Folder to write config.json + model.safetensors to.")],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Folder to write config.json + model.safetensors to.")
+    ] = None,
     state: Annotated[Path | None, typer.Option("--state", help="Training state file (default: the newest).")] = None,
+    push_to_hub: Annotated[
+        str | None, typer.Option("--push-to-hub", help="Publish the folder as this Hub model repo (org/name).")
+    ] = None,
     config: ConfigOption = None,
     set_: SetOption = None,
 ) -> None:
-    """Export a training state (e.g. an intermediate step) as an EAGLE-3 folder vLLM and SGLang load."""
-    from eagle3_core.artifacts import HiddenStateSet, VocabMap
+    """Export a training state (e.g. an intermediate step) as an EAGLE-3 folder vLLM and SGLang load, with its
+    model card; `--push-to-hub org/name` publishes it (without --out: the run's <run_dir>/draft/export), the
+    token from HF_TOKEN."""
+    from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, VocabMap
+    from eagle3_core.release.card import write_model_card
+    from eagle3_core.release.hub import HubError, check_publishable, push_folder
     from eagle3_core.target.prepare import prepare_target
     from eagle3_core.training.phase import export_training_state
 
+    if out is None and push_to_hub is None:
+        console.print("error: give --out DIR (export a training state) or --push-to-hub org/name", style="red")
+        raise typer.Exit(1)
     cfg = resolve_config(config, set_)
-    hidden = load_upstream(HiddenStateSet, RunLayout.of(cfg).hidden_states, "extract")
-    vocab_map = load_upstream(VocabMap, RunLayout.of(cfg).vocab, "vocab")
+    layout = RunLayout.of(cfg)
     target = prepare_target(cfg.target, run_events(cfg))
-    paths = export_training_state(cfg, hidden, vocab_map, target, out, state)
-    console.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
+    folder = out or layout.draft.export
+    checkpoint = load_upstream(DraftCheckpoint, layout.draft.root, "train")
+    if out is not None:
+        hidden = load_upstream(HiddenStateSet, layout.hidden_states, "extract")
+        vocab_map = load_upstream(VocabMap, layout.vocab, "vocab")
+        paths = export_training_state(cfg, hidden, vocab_map, target, out, state)
+        console.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
+        checkpoint = DraftCheckpoint(root=str(out.resolve()), step=checkpoint.step, config=checkpoint.config)
+    card = write_model_card(cfg, target, checkpoint, folder, push_to_hub)
+    console.print(f"model card {card}", highlight=False)
+    if push_to_hub is not None:
+        try:
+            check_publishable(folder, push_to_hub)
+            url = push_folder(folder, push_to_hub)
+        except HubError as exc:
+            console.print(f"error: {exc}", highlight=False, markup=False, style="red", soft_wrap=True)
+            raise typer.Exit(1) from None
+        console.print(f"published {folder} to {push_to_hub}: {url}", highlight=False)
+
+
+@command("serve")
+def serve_command(
+    draft: Annotated[
+        Path | None, typer.Option("--draft", help="Draft folder or export folder (default: <run_dir>/draft).")
+    ] = None,
+    engine: Annotated[str, typer.Option("--engine", help="vllm or sglang.")] = "vllm",
+    port: Annotated[int | None, typer.Option("--port", help="Port (default: server.port; 0 picks one).")] = None,
+    k: Annotated[
+        int | None, typer.Option("--k", help="Draft tokens per step (default: the fastest the evaluation found).")
+    ] = None,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+) -> None:
+    """Serve the target with the run's exported draft as its EAGLE-3 speculator (server.* settings, loopback,
+    the API key of server.api_key_env) until Ctrl-C. Prints the equivalent command and keeps it beside the
+    draft as serve-<engine>.sh."""
+    import signal
+    import sys
+
+    from eagle3_core.progress import rich_progress
+    from eagle3_core.release.serve import engine_server, export_folder, keep_script, plan, record_plan, wait_until_dead
+    from eagle3_core.target.prepare import prepare_target
+
+    if engine not in ("vllm", "sglang"):
+        console.print(f"error: --engine {engine!r}: vllm or sglang", style="red", highlight=False)
+        raise typer.Exit(1)
+    cfg = resolve_config(config, (set_ or []) + ([f"server.port={port}"] if port is not None else []))
+    events = run_events(cfg)
+    export_dir = export_folder(draft or RunLayout.of(cfg).draft.root)
+    target = prepare_target(cfg.target, events)
+    cfg, served = plan(cfg, engine, target.root_path, export_dir, k)  # type: ignore[arg-type]
+    record_plan(events, served, export_dir)
+    script = keep_script(served, target.root_path, export_dir)
+    text = f"{served.choice.reason}\n{served.command.shell()}\n(kept as {script})"
+    console.print(text, highlight=False, markup=False, soft_wrap=True)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # stops the engine on the way out
+    with rich_progress() as progress:
+        server = engine_server(cfg, served, target.root_path, export_dir, events, progress).start()
+    try:
+        console.print(f"serving at {server.base_url}/v1 (Ctrl-C stops it)", highlight=False)
+        wait_until_dead(server)
+    except KeyboardInterrupt:
+        console.print("stopping", highlight=False)
+    finally:
+        server.stop()

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_core.config import ServerConfig
+from eagle3_core.config import EvaluationConfig, ServerConfig
 from eagle3_core.gpus import has_cuda_gpus
 from eagle3_core.serving.lifecycle import EngineServer, free_port
 
@@ -31,6 +32,19 @@ class SglangLaunch:
     python: str
     dtype: str
     env: dict[str, str] = field(default_factory=dict)
+
+
+def sglang_launch(evaluation: EvaluationConfig) -> SglangLaunch:
+    """The launch `evaluation.sglang_*` describe (the running interpreter where `sglang_python` is None)."""
+    return SglangLaunch(evaluation.sglang_python or sys.executable, evaluation.sglang_dtype, evaluation.sglang_env)
+
+
+def speculative_flags(draft_dir: Path | str, k: int) -> list[str]:
+    """SGLang's flags for the draft (a folder or a Hub id): an EAGLE3 chain of k tokens (top-k 1, k steps,
+    k + 1 draft tokens)."""
+    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
+            "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(k + 1)]  # fmt: skip
 
 
 def sglang_command(
