@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from eagle3_core.artifacts import DraftCheckpoint, EvalReport, SampleSet, TargetModel
-from eagle3_core.config import SGLANG_IGNORED_FLAGS, PipelineConfig
+from eagle3_core.config import SGLANG_IGNORED_FLAGS, ExportConfig, PipelineConfig
 from eagle3_core.files import write_text_atomic
 from eagle3_core.release.commands import KChoice, fastest_k, hub_commands
 from eagle3_core.run_layout import RunLayout
@@ -38,14 +38,28 @@ def base_model_id(target: TargetModel) -> str:
     return name if is_repo else target.name
 
 
+def hub_link(model: str) -> str:
+    """A Hub id as a link to its page; a plain name as is."""
+    return f"[{model}](https://huggingface.co/{model})" if "/" in model else model
+
+
 def front_matter(base_model: str) -> str:
     metadata = {"base_model": base_model, "library_name": "vllm", "tags": TAGS, "pipeline_tag": "text-generation"}
     return "---\n" + yaml.safe_dump(metadata, sort_keys=False) + "---\n"
 
 
+def trained_with(config: PipelineConfig, checkpoint: DraftCheckpoint) -> tuple[dict[str, Any], list[str]]:
+    """The `training.*` fields and `export.engines` the draft was trained with, as its checkpoint's key recorded
+    them (engines at their default are left out of the key); the run's config for a checkpoint without one."""
+    training = checkpoint.config.get("training") or config.training.model_dump(mode="json")
+    engines = (checkpoint.config.get("export") or {}).get("engines")
+    default = ExportConfig().engines if checkpoint.config.get("training") else config.export.engines
+    return training, engines or default
+
+
 def recipe_lines(config: PipelineConfig, draft: dict[str, Any], checkpoint: DraftCheckpoint) -> list[str]:
     """The draft's shape (its config.json) and how it was trained (`training.*`, steps, validation)."""
-    tc = config.training
+    tc, engines = trained_with(config, checkpoint)
     flags = [flag for flag in RECIPE_FLAGS if draft.get(flag)] or ["none"]
     validation = ", ".join(f"{name} {value:.3f}" for name, value in sorted(checkpoint.metrics.items())
                            if name.startswith("val_")) or "not validated"  # fmt: skip
@@ -55,9 +69,9 @@ def recipe_lines(config: PipelineConfig, draft: dict[str, Any], checkpoint: Draf
         ("draft vocabulary", f"{draft['draft_vocab_size']} of {draft['vocab_size']} target tokens"),
         ("aux layer ids", str(draft["eagle_aux_hidden_state_layer_ids"])),
         ("recipe flags", ", ".join(flags)),
-        ("training", f"{tc.optimizer}, lr {tc.lr:g}, {tc.ttt_steps} TTT steps, epochs {tc.epochs}, "
+        ("training", f"{tc['optimizer']}, lr {tc['lr']:g}, {tc['ttt_steps']} TTT steps, epochs {tc['epochs']}, "
                      f"{checkpoint.step} steps"),
-        ("served by", ", ".join(ENGINE_NAMES[e] for e in config.export.engines) + " (export.engines)"),
+        ("served by", ", ".join(ENGINE_NAMES[e] for e in engines) + " (export.engines)"),
         ("validation", validation),
     ]  # fmt: skip
     return ["## Recipe", "", "| | |", "|---|---|", *[f"| {name} | {value} |" for name, value in rows]]
@@ -68,10 +82,11 @@ def data_lines(config: PipelineConfig, sample_set: SampleSet | None) -> list[str
     lines = ["## Data", "", f"- prompt files: {', '.join(config.sampling.prompt_files)}"]
     if sample_set is None:
         return [*lines, "- samples: the run's sample manifest is not at hand"]
+    responses = sample_set.responses_per_prompt
     return [
         *lines,
         f"- samples: {sample_set.ok} answers of the target to {sample_set.prompts} prompts "
-        f"({sample_set.responses_per_prompt} responses per prompt), {sample_set.loss_tokens} tokens trained on",
+        f"({responses} response{'s' if responses != 1 else ''} per prompt), {sample_set.loss_tokens} tokens trained on",
     ]
 
 
@@ -148,7 +163,7 @@ def model_card(
     lines = [
         f"# EAGLE-3 draft for {base}",
         "",
-        f"A one-layer EAGLE-3 speculator for [{base}](https://huggingface.co/{base}), trained with eagle3-pipeline "
+        f"A one-layer EAGLE-3 speculator for {hub_link(base)}, trained with eagle3-pipeline "
         "on the target's own answers and hidden states. Serve it beside the target: greedy outputs stay the "
         "target's, produced in fewer target steps.",
         "",
