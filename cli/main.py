@@ -61,17 +61,19 @@ def load_upstream(kind: type[ManifestT], folder: Path, made_by: str) -> Manifest
 def user_errors() -> tuple[type[BaseException], ...]:
     """Failures the user can act on: a missing or wrong path (a target folder, a draft folder), a setting
     that does not fit the target, a dead or unreachable engine, a failed preflight, a full disk, a bad
-    prompt file, shard or manifest, a vocab map of other data. Everything else is a bug: a traceback."""
+    prompt file, shard or manifest, a vocab map of other data, a Hub push without token or repo. Everything
+    else is a bug: a traceback."""
     from eagle3_core.extraction.storage import ShardError
     from eagle3_core.files import DiskFullError
     from eagle3_core.preflight import PreflightError
+    from eagle3_core.release.hub import HubError
     from eagle3_core.sampling.prompts import PromptFileError
     from eagle3_core.serving.engine import ServerError
     from eagle3_core.vocab import StaleVocabMap
 
     paths = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
     return (*paths, ConfigError, PromptFileError, ServerError, PreflightError, DiskFullError, ShardError,
-            ArtifactInvalid, StaleVocabMap)  # fmt: skip
+            ArtifactInvalid, StaleVocabMap, HubError)  # fmt: skip
 
 
 def command(name: str) -> Callable[[Callable[P, None]], Callable[P, None]]:
@@ -345,13 +347,16 @@ def export_command(
     token from HF_TOKEN."""
     from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, VocabMap
     from eagle3_core.release.card import write_model_card
-    from eagle3_core.release.hub import HubError, check_publishable, push_folder
+    from eagle3_core.release.hub import check_repo_id, hub_token, push_folder
     from eagle3_core.target.prepare import prepare_target
     from eagle3_core.training.phase import export_training_state
 
     if out is None and push_to_hub is None:
         console.print("error: give --out DIR (export a training state) or --push-to-hub org/name", style="red")
         raise typer.Exit(1)
+    if push_to_hub is not None:  # before anything is written
+        check_repo_id(push_to_hub)
+        hub_token()
     cfg = resolve_config(config, set_)
     layout = RunLayout.of(cfg)
     target = prepare_target(cfg.target, run_events(cfg))
@@ -364,15 +369,10 @@ def export_command(
         console.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
         checkpoint = DraftCheckpoint(root=str(out.resolve()), step=checkpoint.step, config=checkpoint.config)
     card = write_model_card(cfg, target, checkpoint, folder, push_to_hub)
-    console.print(f"model card {card}", highlight=False)
+    console.print(f"model card {card}", highlight=False, soft_wrap=True)
     if push_to_hub is not None:
-        try:
-            check_publishable(folder, push_to_hub)
-            url = push_folder(folder, push_to_hub)
-        except HubError as exc:
-            console.print(f"error: {exc}", highlight=False, markup=False, style="red", soft_wrap=True)
-            raise typer.Exit(1) from None
-        console.print(f"published {folder} to {push_to_hub}: {url}", highlight=False)
+        url = push_folder(folder, push_to_hub)
+        console.print(f"published {folder} to {push_to_hub}: {url}", highlight=False, soft_wrap=True)
 
 
 @command("serve")

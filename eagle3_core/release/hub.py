@@ -20,10 +20,13 @@ class HubError(ValueError):
     """A push that cannot be made as asked (no token, a malformed repo id, an incomplete folder)."""
 
 
-def check_publishable(folder: Path, repo_id: str) -> None:
-    """The repo id is `org/name` and the folder holds a draft and its card."""
+def check_repo_id(repo_id: str) -> None:
     if not REPO_ID.match(repo_id):
         raise HubError(f"--push-to-hub {repo_id!r}: give the repo as org/name")
+
+
+def check_publishable(folder: Path) -> None:
+    """The folder holds a draft and its card."""
     missing = [name for name in ("config.json", "model.safetensors", CARD) if not (folder / name).is_file()]
     if missing:
         raise HubError(f"{folder}: {', '.join(missing)} missing; export the draft (eagle3 train or export) first")
@@ -40,15 +43,20 @@ def push_folder(folder: Path, repo_id: str, private: bool = False, endpoint: str
     """Create the model repo if needed and upload the folder as one commit; returns the commit's URL.
     `endpoint`: another Hub than huggingface.co (else HF_ENDPOINT, as `huggingface_hub` reads it)."""
     from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
 
-    check_publishable(folder, repo_id)
+    check_repo_id(repo_id)
+    check_publishable(folder)
     api = HfApi(endpoint=endpoint, token=hub_token())
-    api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
-    commit = api.upload_folder(
-        folder_path=folder,
-        repo_id=repo_id,
-        repo_type="model",
-        commit_message="EAGLE-3 draft exported by eagle3-pipeline",
-        ignore_patterns=IGNORED,
-    )
+    try:
+        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        commit = api.upload_folder(
+            folder_path=folder,
+            repo_id=repo_id,
+            repo_type="model",
+            commit_message="EAGLE-3 draft exported by eagle3-pipeline",
+            ignore_patterns=IGNORED,
+        )
+    except HfHubHTTPError as exc:  # the Hub's answer (no write access, a bad card) is the user's to act on
+        raise HubError(f"pushing {folder} to {repo_id} failed: {exc}") from None
     return commit.commit_url
