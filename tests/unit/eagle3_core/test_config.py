@@ -82,3 +82,17 @@ def test_an_unquoted_on_or_off_is_the_switch_word_not_a_boolean(tmp_path):
     assert (config.extraction.reuse_sampling_server, config.training.compile) == ("off", "on")
     with pytest.raises(ConfigError, match=r"extraction\.reuse_sampling_server"):
         load_config(None, ["extraction.reuse_sampling_server=1"])
+
+
+def test_export_engines_with_sglang_refuse_a_flag_sglang_does_not_read_when_asked_for(tmp_path):
+    assert load_config(overrides=["export.engines=[vllm, sglang]"]).training.norm_before_residual  # turned off later
+    path = tmp_path / "c.yaml"
+    path.write_text("export:\n  engines: [vllm, sglang]\ntraining:\n  norm_before_residual: true\n")
+    with pytest.raises(ConfigError, match=r"training.norm_before_residual: SGLang does not read it") as err:
+        load_config(path)
+    assert str(path) in str(err.value)
+    assert not load_config(path, ["export.engines=[vllm]"]).export.engines.count("sglang")  # vLLM reads it
+    with pytest.raises(ConfigError, match="name each engine once"):
+        load_config(overrides=["export.engines=[vllm, vllm]"])
+    with pytest.raises(ConfigError, match="export.engines"):
+        load_config(overrides=["export.engines=[]"])
