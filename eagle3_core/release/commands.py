@@ -1,12 +1,12 @@
 """The command lines that serve the target with an exported draft as its EAGLE-3 speculator, in vLLM or SGLang:
 the k to serve (`fastest_k`, from the run's evaluation), the engine's argv from the same builders the phases
 start their servers with (`serving.engine.build_command`, `serving.sglang.sglang_command`), and that argv as
-one shell line with the variables it sets, the API key referenced by its variable's name and never written.
+one shell line with the variables those set (`server_variables`, `sglang_variables`), the API key referenced by
+its variable's name and never written.
 """
 
 from __future__ import annotations
 
-import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from eagle3_core.artifacts import EvalReport
 from eagle3_core.config import PipelineConfig
-from eagle3_core.serving.engine import build_command, build_env, speculative_args
-from eagle3_core.serving.sglang import sglang_command, sglang_env, sglang_launch, speculative_flags
+from eagle3_core.serving.engine import build_command, server_variables, speculative_args
+from eagle3_core.serving.sglang import sglang_command, sglang_launch, sglang_variables, speculative_flags
 
 Engine = Literal["vllm", "sglang"]
 DEFAULT_K = 3  # the k served when no evaluation says otherwise (= training.ttt_steps' default)
@@ -86,11 +86,6 @@ class ServeCommand:
         return f"#!/bin/sh\n{lines}exec {self.shell()}\n"
 
 
-def set_variables(environment: dict[str, str]) -> dict[str, str]:
-    """The variables of an engine's environment that it sets, not inherits."""
-    return {name: value for name, value in environment.items() if os.environ.get(name) != value}
-
-
 def serve_command(
     config: PipelineConfig, engine: Engine, target_dir: Path | str, draft: Path | str, k: int, port: int
 ) -> ServeCommand:
@@ -99,12 +94,11 @@ def serve_command(
     server, key_variable = config.server, config.server.api_key_variable()
     if engine == "vllm":
         argv = build_command(server, target_dir, port, speculative_args(draft, k, server.extra_args))
-        env = set_variables(build_env(server, None))
-        return ServeCommand(engine, argv, env, key_variable, key_env=VLLM_KEY_VARIABLE)
+        return ServeCommand(engine, argv, server_variables(server), key_variable, key_env=VLLM_KEY_VARIABLE)
     launch = sglang_launch(config.evaluation)
     extra = config.evaluation.sglang_args + speculative_flags(draft, k)
     argv = sglang_command(server, launch, target_dir, port, extra)
-    return ServeCommand(engine, argv, set_variables(sglang_env(launch)), key_variable, key_flag="--api-key")
+    return ServeCommand(engine, argv, sglang_variables(launch), key_variable, key_flag="--api-key")
 
 
 def script_path(export_dir: Path, engine: Engine) -> Path:

@@ -164,10 +164,16 @@ def speculative_args(draft_dir: Path | str, k: int, server_args: list[str]) -> l
     return ["--speculative-config", json.dumps(config)]
 
 
+def server_variables(config: ServerConfig) -> dict[str, str]:
+    """The variables the server is started with beside the parent's environment: offline, unbuffered,
+    `server.env`."""
+    return {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **config.env}
+
+
 def build_env(config: ServerConfig, api_key: str | None) -> dict[str, str]:
-    """The parent's environment, offline, unbuffered, plus `server.env`; the API key travels in the
-    environment (VLLM_API_KEY), never on the command line where `ps` would show it."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **config.env}
+    """The parent's environment and `server_variables`; the API key travels in the environment
+    (VLLM_API_KEY), never on the command line where `ps` would show it."""
+    env = {**os.environ, **server_variables(config)}
     if api_key:
         env["VLLM_API_KEY"] = api_key
     return env

@@ -62,10 +62,15 @@ def sglang_command(
     return command + extra_args
 
 
+def sglang_variables(launch: SglangLaunch) -> dict[str, str]:
+    """The variables SGLang is started with beside the parent's environment: offline, unbuffered, the launch's
+    own (not `server.env`, which is vLLM's)."""
+    return {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **launch.env}
+
+
 def sglang_env(launch: SglangLaunch) -> dict[str, str]:
-    """The parent's environment, offline, unbuffered, plus the launch's own variables (not `server.env`,
-    which is vLLM's)."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **launch.env}
+    """The parent's environment and `sglang_variables`."""
+    return {**os.environ, **sglang_variables(launch)}
 
 
 def parse_load_end(line: str) -> float | None:

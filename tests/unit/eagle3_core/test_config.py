@@ -94,5 +94,5 @@ def test_export_engines_with_sglang_refuse_a_flag_sglang_does_not_read_when_aske
     assert not load_config(path, ["export.engines=[vllm]"]).export.engines.count("sglang")  # vLLM reads it
     with pytest.raises(ConfigError, match="name each engine once"):
         load_config(overrides=["export.engines=[vllm, vllm]"])
-    with pytest.raises(ConfigError, match="export.engines"):
+    with pytest.raises(ConfigError, match=r"export\.engines"):
         load_config(overrides=["export.engines=[]"])
