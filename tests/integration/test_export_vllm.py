@@ -167,6 +167,13 @@ def wait_for_line(log: Path, prefix: str, process: subprocess.Popen, timeout_s: 
     raise AssertionError(f"no {prefix!r} after {timeout_s} s:\n{log.read_text()[-3000:]}")
 
 
+def healthy(base_url: str) -> bool:
+    try:
+        return httpx.get(f"{base_url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def drafted_chat(base_url: str, key: str) -> float:
     """One chat completion (with the key; refused without it) and vLLM's accepted draft tokens after it."""
     body = {"model": "", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": MAX_TOKENS,
@@ -210,12 +217,8 @@ def test_eagle3_serve_serves_the_draft_and_its_printed_command_starts_the_same_s
                              stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         deadline = time.monotonic() + 900
-        while time.monotonic() < deadline and again.poll() is None:
-            try:
-                if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(3)
+        while time.monotonic() < deadline and again.poll() is None and not healthy(base_url):
+            time.sleep(3)
         assert again.poll() is None, "the printed command's server exited"
         assert drafted_chat(base_url, "serve-test-key") > 0
     finally:
