@@ -725,7 +725,8 @@ class EvaluationConfig(Section):
     engine: Literal["vllm", "sglang"] = Field(
         "vllm",
         description="Engine of measurement (b): vllm, or sglang (python -m sglang.launch_server with the draft as "
-        "EAGLE3 speculator; bf16 only, and it ignores training.norm_before_residual and norm_before_fc).",
+        "EAGLE3 speculator; bf16 only; a draft trained with a flag SGLang does not read is refused: "
+        "export.engines).",
         json_schema_extra=added(evaluation=VLLM),
     )
     sglang_python: str | None = Field(

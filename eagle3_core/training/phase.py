@@ -216,7 +216,8 @@ def sglang_warning(ignored: list[str]) -> str:
     flags = " and ".join(f"training.{flag}" for flag in ignored)
     return (
         f"exported for vLLM: SGLang 0.5.14 does not read {flags} and would serve another layer than the one "
-        f"trained (lower acceptance, no error); for SGLang train with {' and '.join(f'{f}=false' for f in ignored)}"
+        "trained (lower acceptance, no error); for SGLang train with export.engines: [vllm, sglang] "
+        f"({' and '.join(f'{f}=false' for f in ignored)})"
     )
 
 
