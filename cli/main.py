@@ -80,10 +80,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Failures the user can act on: a missing or wrong path (a target folder, a draft folder), a setting
     that does not fit the target, a dead or unreachable engine, a failed preflight, a full disk, a bad
     prompt file, shard or manifest, a vocab map of other data, a corrupt config.json or training state, a Hub id
-    that cannot be resolved. Everything else is a bug: a traceback."""
+    that cannot be resolved, a Hub push without token or repo. Everything else is a bug: a traceback."""
     from eagle3_core.extraction.storage import ShardError
     from eagle3_core.files import DiskFullError, UnreadableFile
     from eagle3_core.preflight import PreflightError
+    from eagle3_core.release.hub import HubError
     from eagle3_core.sampling.prompts import PromptFileError
     from eagle3_core.serving.engine import ServerError
     from eagle3_core.target.hub import HubTargetError
@@ -91,7 +92,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     paths = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
     return (*paths, ConfigError, PromptFileError, ServerError, PreflightError, DiskFullError, ShardError,
-            ArtifactInvalid, StaleVocabMap, UnreadableFile, HubTargetError)  # fmt: skip
+            ArtifactInvalid, StaleVocabMap, UnreadableFile, HubTargetError, HubError)  # fmt: skip
 
 
 def command(name: str) -> Callable[[Callable[P, None]], Callable[P, None]]:
@@ -367,21 +368,91 @@ def train_command(
 
 @command("export")
 def export_command(
-    out: Annotated[Path, typer.Option("--out", help="Folder to write config.json + model.safetensors to.")],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Folder to write config.json + model.safetensors to.")
+    ] = None,
     state: Annotated[Path | None, typer.Option("--state", help="Training state file (default: the newest).")] = None,
+    push_to_hub: Annotated[
+        str | None, typer.Option("--push-to-hub", help="Publish the folder as this Hub model repo (org/name).")
+    ] = None,
     config: ConfigOption = None,
     set_: SetOption = None,
 ) -> None:
-    """Export a training state (e.g. an intermediate step) as an EAGLE-3 folder vLLM and SGLang load."""
-    from eagle3_core.artifacts import HiddenStateSet, VocabMap
+    """Export a training state (e.g. an intermediate step) as an EAGLE-3 folder vLLM and SGLang load, with its
+    model card; `--push-to-hub org/name` publishes it (without --out: the run's <run_dir>/draft/export), the
+    token from HF_TOKEN."""
+    from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, VocabMap
+    from eagle3_core.release.card import write_model_card
+    from eagle3_core.release.hub import check_repo_id, hub_token, push_folder
     from eagle3_core.training.phase import export_training_state
 
+    if out is None and push_to_hub is None:
+        console.print("error: give --out DIR (export a training state) or --push-to-hub org/name", style="red")
+        raise typer.Exit(1)
+    if push_to_hub is not None:  # before anything is written
+        check_repo_id(push_to_hub)
+        hub_token()
     cfg = resolve_config(config, set_)
-    hidden = load_upstream(HiddenStateSet, RunLayout.of(cfg).hidden_states, "extract")
-    vocab_map = load_upstream(VocabMap, RunLayout.of(cfg).vocab, "vocab")
+    layout = RunLayout.of(cfg)
     _, target = run_target(cfg)
-    paths = export_training_state(cfg, hidden, vocab_map, target, out, state)
-    console.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
+    folder = out or layout.draft.export
+    checkpoint = load_upstream(DraftCheckpoint, layout.draft.root, "train")
+    if out is not None:
+        hidden = load_upstream(HiddenStateSet, layout.hidden_states, "extract")
+        vocab_map = load_upstream(VocabMap, layout.vocab, "vocab")
+        paths = export_training_state(cfg, hidden, vocab_map, target, out, state)
+        console.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
+        checkpoint = DraftCheckpoint(root=str(out.resolve()), step=checkpoint.step, config=checkpoint.config)
+    card = write_model_card(cfg, target, checkpoint, folder, push_to_hub)
+    console.print(f"model card {card}", highlight=False, soft_wrap=True)
+    if push_to_hub is not None:
+        url = push_folder(folder, push_to_hub)
+        console.print(f"published {folder} to {push_to_hub}: {url}", highlight=False, soft_wrap=True)
+
+
+@command("serve")
+def serve_command(
+    draft: Annotated[
+        Path | None, typer.Option("--draft", help="Draft folder or export folder (default: <run_dir>/draft).")
+    ] = None,
+    engine: Annotated[str, typer.Option("--engine", help="vllm or sglang.")] = "vllm",
+    port: Annotated[int | None, typer.Option("--port", help="Port (default: server.port; 0 picks one).")] = None,
+    k: Annotated[
+        int | None, typer.Option("--k", help="Draft tokens per step (default: the fastest the evaluation found).")
+    ] = None,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+) -> None:
+    """Serve the target with the run's exported draft as its EAGLE-3 speculator (server.* settings, loopback,
+    the API key of server.api_key_env) until Ctrl-C. Prints the equivalent command and keeps it beside the
+    draft as serve-<engine>.sh."""
+    import signal
+    import sys
+
+    from eagle3_core.progress import rich_progress
+    from eagle3_core.release.serve import engine_server, export_folder, keep_script, plan, record_plan, wait_until_dead
+
+    if engine not in ("vllm", "sglang"):
+        print_error(f"--engine {engine!r}: vllm or sglang")
+        raise typer.Exit(1)
+    cfg = resolve_config(config, (set_ or []) + ([f"server.port={port}"] if port is not None else []))
+    export_dir = export_folder(draft or RunLayout.of(cfg).draft.root)
+    events, target = run_target(cfg)
+    cfg, served = plan(cfg, engine, target.root_path, export_dir, k)  # type: ignore[arg-type]
+    record_plan(events, served, export_dir)
+    script = keep_script(served, target.root_path, export_dir)
+    text = f"{served.choice.reason}\n{served.command.shell()}\n(kept as {script})"
+    console.print(text, highlight=False, markup=False, soft_wrap=True)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # stops the engine on the way out
+    with rich_progress() as progress:
+        server = engine_server(cfg, served, target.root_path, export_dir, events, progress).start()
+    try:
+        console.print(f"serving at {server.base_url}/v1 (Ctrl-C stops it)", highlight=False)
+        wait_until_dead(server)
+    except KeyboardInterrupt:
+        console.print("stopping", highlight=False)
+    finally:
+        server.stop()
 
 
 GpusOption = Annotated[int | None, typer.Option("--gpus", help="Plan for a host of this many GPUs (0: CPU only).")]

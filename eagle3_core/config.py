@@ -68,6 +68,10 @@ CURRENT_DEFAULT = object()  # `added(first_default=...)` not given: the field's 
 # sglang.launch_server flags that measurement (b) derives from the configuration (`evaluation.sglang_args`
 # may not give them); `--api-key` among them: a key on the command line would be in `ps` and events.jsonl.
 SGLANG_OWN_FLAGS = ("--model-path", "--model", "--host", "--port", "--dtype", "--tp-size", "--api-key")
+# The draft recipe flags (training.*) that SGLang's EAGLE-3 layers do not read, so a draft trained with one is served
+# as another layer than trained, silently. norm_before_residual: no release reads it (0.5.14 to 0.5.23, checked in
+# their wheels); norm_before_fc: read by the Llama draft from 0.5.17 on, not by 0.5.14 to 0.5.16 (the one staged).
+SGLANG_IGNORED_FLAGS = ("norm_before_fc", "norm_before_residual")
 
 
 def roles(**by_phase: Role) -> dict[str, Any]:
@@ -737,7 +741,8 @@ class EvaluationConfig(Section):
     engine: Literal["vllm", "sglang"] = Field(
         "vllm",
         description="Engine of measurement (b): vllm, or sglang (python -m sglang.launch_server with the draft as "
-        "EAGLE3 speculator; bf16 only, and it ignores training.norm_before_residual and norm_before_fc).",
+        "EAGLE3 speculator; bf16 only; a draft trained with a flag SGLang does not read is refused: "
+        "export.engines).",
         json_schema_extra=added(evaluation=VLLM),
     )
     sglang_python: str | None = Field(
@@ -774,6 +779,23 @@ class EvaluationConfig(Section):
         if taken:
             raise ValueError(f"{', '.join(taken)}: set by measurement (b) itself (from server.* and evaluation.*)")
         return args
+
+
+class ExportConfig(Section):
+    engines: list[Literal["vllm", "sglang"]] = Field(
+        default_factory=lambda: ["vllm"],
+        min_length=1,
+        description="Engines the exported draft is served with: with sglang, training keeps only the recipe flags "
+        "SGLang builds (training.norm_before_residual and norm_before_fc off), so both engines run the trained layer.",
+        json_schema_extra=added_content("training"),
+    )
+
+    @field_validator("engines")
+    @classmethod
+    def _each_engine_once(cls, engines: list[str]) -> list[str]:
+        if len(set(engines)) != len(engines):
+            raise ValueError(f"{engines}: name each engine once")
+        return engines
 
 
 class OrchestrationConfig(Section):
@@ -867,9 +889,20 @@ class PipelineConfig(Section):
     vocab: VocabConfig = Field(default_factory=VocabConfig, description="Draft vocabulary mapping.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Draft training.")
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig, description="Acceptance measurement.")
+    export: ExportConfig = Field(default_factory=ExportConfig, description="The exported draft and its engines.")
     orchestration: OrchestrationConfig = Field(
         default_factory=OrchestrationConfig, description="Prefect retries, timeouts and result storage."
     )
+
+    @model_validator(mode="after")
+    def _sglang_serves_the_recipe(self) -> PipelineConfig:
+        """A flag SGLang does not read, asked for explicitly beside `export.engines` naming sglang, is a
+        contradiction (at its default the flag is simply turned off for SGLang: `draft.shape.served_recipe`)."""
+        asked = [f for f in SGLANG_IGNORED_FLAGS if f in self.training.model_fields_set and getattr(self.training, f)]
+        if "sglang" in self.export.engines and asked:
+            flags = ", ".join(f"training.{flag}" for flag in asked)
+            raise ValueError(f"{flags}: SGLang does not read it; set it false or leave sglang out of export.engines")
+        return self
 
 
 def user_path(loc: tuple[int | str, ...]) -> str:

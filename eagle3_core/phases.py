@@ -52,7 +52,7 @@ EXTRACTION = PhaseSpec(
     "extraction", 1, ("server", "extraction", "sampling.holdout_fraction", "sampling.request_timeout_s")
 )
 VOCAB = PhaseSpec("vocab", 1, ("vocab", "sampling.holdout_fraction"))
-TRAINING = PhaseSpec("training", 1, ("training",))
+TRAINING = PhaseSpec("training", 1, ("training", "export.engines"))
 EVALUATION = PhaseSpec(
     "evaluation", 1, ("server", "evaluation", "sampling.holdout_fraction", "sampling.request_timeout_s")
 )

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from eagle3_core.config import SGLANG_IGNORED_FLAGS
 from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_core.files import UnreadableFile, atomic_path, read_json_object, write_text_atomic
 
@@ -56,10 +57,9 @@ WEIGHT_NAMES: dict[str, str] = {
 # The recipe flags written to config.json (vLLM 0.32's `llama_eagle3` reads each at the top level; its
 # `deepseek_eagle3` all but norm_before_fc, which it would ignore: the MLA draft refuses it).
 RECIPE_FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
-# The recipe flags SGLang 0.5.14's EAGLE-3 layers do not read (their residual is always the raw input, and they
-# have no input_norm): it loads such a draft without a word and runs another layer than the one trained (on the H200,
-# 0.13 fewer tokens a step than vLLM, bench/RESULTS.md issue 28).
-SGLANG_IGNORED_FLAGS = ("norm_before_fc", "norm_before_residual")
+# SGLANG_IGNORED_FLAGS (config): SGLang 0.5.14's EAGLE-3 layers' residual is always the raw input, and they have no
+# input_norm: it loads such a draft without a word and runs another layer than the one trained (on the H200, 0.13
+# fewer tokens a step than vLLM, bench/RESULTS.md issue 28).
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # Integer/bool tensors keep their dtype; every float tensor is written in the export dtype.
 INDEX_TENSORS = {"d2t": torch.int64, "t2d": torch.bool}
@@ -152,6 +152,20 @@ def sglang_ignores(config: DraftConfig) -> list[str]:
     """The recipe flags this draft trained with that SGLang would not build (`SGLANG_IGNORED_FLAGS`; its MLA
     draft, `kimi_k25_eagle3.py`, reads the same two flags as its Llama one)."""
     return [flag for flag in SGLANG_IGNORED_FLAGS if getattr(config, flag)]
+
+
+def sglang_refusal(draft_dir: Path) -> str | None:
+    """Why SGLang must not serve the exported draft in `draft_dir` (one line naming the flags it trained with
+    that SGLang does not read), or None."""
+    ignored = sglang_ignores(config_from_hf(json.loads((draft_dir / "config.json").read_text())))
+    if not ignored:
+        return None
+    flags = " and ".join(ignored)
+    return (
+        f"{draft_dir / 'config.json'}: the draft was trained with {flags}, which SGLang does not read (it would "
+        f"serve another layer than trained, silently); serve or evaluate it in vLLM, or train it again with "
+        f"export.engines: [vllm, sglang]"
+    )
 
 
 def attention_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:

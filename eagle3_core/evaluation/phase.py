@@ -31,6 +31,7 @@ from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
 from eagle3_core.files import sha256_json
 from eagle3_core.phases import EVALUATION, keyed_fields, phase_key
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
+from eagle3_core.release.card import write_model_card
 from eagle3_core.run_layout import DraftLayout, RunLayout
 
 PHASE = EVALUATION.name
@@ -234,6 +235,7 @@ def evaluate_draft(
     existing = cached_report(eval_dir, key, verdict_fields(config))
     if existing is not None:
         events.record(PHASE, CACHE_HIT, f"evaluation of {draft_dir} already done", path=str(eval_dir))
+        write_model_card(config, target, checkpoint, draft_dir)
         return guard(existing)
     serving = config.evaluation.engine if served_unavailable(config) is None else None
     preflight_evaluation(target, draft_dir, serving, config.server, events)
@@ -241,6 +243,7 @@ def evaluate_draft(
     vllm = run_served(config, target, draft_dir, prompts, key, eval_dir, events, progress)
     report = build_report(config, target, draft_dir, transformers, vllm, checkpoint, eval_dir, key, upstream)
     report.save()
+    write_model_card(config, target, checkpoint, draft_dir)  # the card states what was measured
     return guard(report)
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import ServerConfig
-from eagle3_core.events import RunEvents
+from eagle3_core.events import PREFLIGHT, RunEvents
 from eagle3_core.gpus import has_cuda_gpus
-from eagle3_core.preflight import conclude
+from eagle3_core.preflight import PreflightError, conclude
 from eagle3_core.server_defaults import concrete_server
 from eagle3_core.serving.engine import attention_backend
 from eagle3_core.target.preflight import tensor_parallel_problem
@@ -48,10 +48,15 @@ def preflight_evaluation(
 ) -> None:
     """`engine`: the engine measurement (b) would start with the exported draft in `draft_dir` (`vllm` or
     `sglang`; None where (b) does not run, see `evaluation.phase.served_unavailable`), as `server` says (its
-    `extra_args`, its tensor parallelism)."""
+    `extra_args`, its tensor parallelism). A draft SGLang would serve as another layer (`sglang_refusal`) is
+    refused with one line before anything loads."""
     import torch
 
-    from eagle3_core.draft.export import HF_ARCHITECTURES, read_draft_config
+    from eagle3_core.draft.export import HF_ARCHITECTURES, read_draft_config, sglang_refusal
+
+    if engine == "sglang" and (refusal := sglang_refusal(draft_dir)) is not None:
+        events.record("evaluation", PREFLIGHT, f"preflight failed: {refusal}", ok=False, problems=[refusal])
+        raise PreflightError(refusal)
 
     mla = uses_mla(target)
     draft_architectures = read_draft_config(draft_dir).get("architectures")

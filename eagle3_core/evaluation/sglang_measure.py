@@ -12,27 +12,20 @@ from plain greedy is judged with the plain server's `output_top_logprobs` (top 2
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from eagle3_core.config import EvaluationConfig
 from eagle3_core.evaluation.departures import TokenGap, top2_gap
 from eagle3_core.evaluation.prompts import EvalPrompt
 from eagle3_core.evaluation.served import PHASE, Measurement, measure_served
 from eagle3_core.evaluation.stats import AcceptanceStats
 from eagle3_core.serving.lifecycle import EngineServer
-from eagle3_core.serving.sglang import SglangLaunch, SglangServer, sglang_env
+from eagle3_core.serving.sglang import SglangLaunch, SglangServer, sglang_env, sglang_launch, speculative_flags
 
 HISTOGRAMS = ("spec_correct_drafts_histogram", "spec_accept_histogram")  # SGLang 0.5.14's name, then the older
 TOP2 = {"return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True}
 PromptIds = dict[tuple[str, str], list[int]]  # (prompt set, prompt id) -> the rendered prompt's token ids
-
-
-def sglang_launch(evaluation: EvaluationConfig) -> SglangLaunch:
-    return SglangLaunch(evaluation.sglang_python or sys.executable, evaluation.sglang_dtype, evaluation.sglang_env)
 
 
 def sglang_unavailable(launch: SglangLaunch) -> str | None:
@@ -46,13 +39,6 @@ def sglang_unavailable(launch: SglangLaunch) -> str | None:
     if done.returncode != 0:
         return f"sglang is not importable by {launch.python} (evaluation.sglang_python, evaluation.sglang_env)"
     return None
-
-
-def speculative_flags(draft_dir: Path, k: int) -> list[str]:
-    """SGLang's flags for the draft: an EAGLE3 chain of k tokens (top-k 1, k steps, k + 1 draft tokens)."""
-    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
-            "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
-            "--speculative-num-draft-tokens", str(k + 1)]  # fmt: skip
 
 
 def histogram_stats(metas: list[dict[str, Any]], k: int) -> AcceptanceStats:

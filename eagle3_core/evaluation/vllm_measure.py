@@ -9,10 +9,8 @@ OpenAI chat endpoint (`departures`).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,7 +19,7 @@ from eagle3_core.evaluation.departures import TokenGap, top2_gap
 from eagle3_core.evaluation.prompts import EvalPrompt
 from eagle3_core.evaluation.served import PHASE, Measurement, measure_served
 from eagle3_core.evaluation.stats import AcceptanceStats
-from eagle3_core.serving.engine import VllmServer, attention_backend
+from eagle3_core.serving.engine import VllmServer, speculative_args
 from eagle3_core.serving.lifecycle import EngineServer
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
@@ -159,17 +157,6 @@ def token_gaps(content: list[dict[str, Any]]) -> list[TokenGap]:
         token = bytes(raw) if raw is not None else entry["token"].encode()
         gaps.append(TokenGap(token, top2_gap([alt["logprob"] for alt in entry.get("top_logprobs") or []])))
     return gaps
-
-
-def speculative_args(draft_dir: Path, k: int, server_args: list[str]) -> list[str]:
-    """vLLM's flags for the draft. An `--attention-backend` the target is given in `server_args` is given to
-    the draft too: vLLM otherwise picks the draft's kernel on its own (on an AMX CPU the AMX MLA kernel beside
-    a target told to run the reference one), and the two then share no KV-cache layout."""
-    config: dict[str, Any] = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
-    backend = attention_backend(server_args)
-    if backend is not None:
-        config["attention_backend"] = backend
-    return ["--speculative-config", json.dumps(config)]
 
 
 def measure_vllm(measurement: Measurement) -> dict[str, Any]:

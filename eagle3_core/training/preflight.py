@@ -23,11 +23,16 @@ FROZEN_BYTES_PER_PARAMETER = 4
 
 
 def draft_parameters(
-    training: TrainingConfig, target: TargetModel, draft_vocab_size: int, layer_ids: list[int]
+    training: TrainingConfig,
+    target: TargetModel,
+    draft_vocab_size: int,
+    layer_ids: list[int],
+    engines: list[str] | tuple[str, ...] = ("vllm",),
 ) -> tuple[int, int]:
     """(trainable, frozen) parameters of the draft training trains for this target (its architecture,
-    recipe flags and `freeze_lm_head`: `draft.shape`). ValueError where the architecture does not fit."""
-    shape = trained_draft_config(training, target, draft_vocab_size, layer_ids)
+    recipe flags as served in `engines` and `freeze_lm_head`: `draft.shape`). ValueError where the
+    architecture does not fit."""
+    shape = trained_draft_config(training, target, draft_vocab_size, layer_ids, engines)
     return parameter_counts(shape, training.freeze_lm_head)
 
 
@@ -57,7 +62,9 @@ def preflight_training(
     parameters, frozen, architecture = 0, 0, None
     if not layers:
         try:
-            parameters, frozen = draft_parameters(tc, target, draft_vocab_size, hidden_states.layer_ids)
+            parameters, frozen = draft_parameters(
+                tc, target, draft_vocab_size, hidden_states.layer_ids, config.export.engines
+            )
         except ValueError as error:
             architecture = f"training.draft_architecture: {error} ({target.root_path / 'config.json'})"
     needed = checkpoint_bytes(parameters, tc.keep_checkpoints)

@@ -4,20 +4,32 @@ reports spec-decode metrics. The draft is trained (memorised) on SmolLM2's own g
 prompts served, so a correct load (weight names, d2t, aux layer ids) shows as accepted draft tokens; a
 silently mis-loaded draft would leave acceptance near zero. Its MLP is wider than the target's
 (`training.draft_intermediate_size`): vLLM builds the layer config.json describes, and a load at another
-width fails on the tensors' shapes (the default width is served by test_evaluation_vllm)."""
+width fails on the tensors' shapes (the default width is served by test_evaluation_vllm). The folder carries its
+model card (README.md, Hub front matter) and still loads.
+
+`eagle3 serve` serves the same draft (a chat completion through it is drafted: vLLM's accepted-token counter
+moves), Ctrl-C leaves no process, and the command it printed, kept as serve-vllm.sh, starts the same server."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
+import yaml
 
 from eagle3_core.artifacts import SampleSet, record_files
-from eagle3_core.config import PipelineConfig
-from eagle3_core.events import RunEvents
+from eagle3_core.config import PipelineConfig, dump_config
+from eagle3_core.events import ENGINE_START, RunEvents
 from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.sampling.table import write_part
 from eagle3_core.serving.engine import VllmServer
@@ -99,6 +111,9 @@ def test_vllm_serves_the_export_with_speculative_decoding(trained_export, smollm
     assert exported["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
     assert exported["fc_norm"] and exported["norm_before_residual"] and exported["norm_output"]  # the default
     assert exported["intermediate_size"] == WIDER_MLP
+    card = (export / "README.md").read_text()  # the model card travels in the folder vLLM loads
+    metadata = yaml.safe_load(card.split("---\n")[1])
+    assert metadata["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "eagle3" in metadata["tags"]
     config.server.dtype = "float32"
     config.server.startup_timeout_s = 900
     config.server.stall_timeout_s = 600
@@ -134,3 +149,82 @@ def test_vllm_serves_the_export_with_speculative_decoding(trained_export, smollm
     )
     assert drafts > 0
     assert 1 + accepted / drafts > 1.5, "a draft trained on these answers is accepted: load is right"
+
+
+KEY_VARIABLE = "EAGLE3_SERVE_TEST_KEY"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def wait_for_line(log: Path, prefix: str, process: subprocess.Popen, timeout_s: float) -> str:
+    """The first line of `log` starting with `prefix`, waiting while `process` runs."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if line.startswith(prefix):
+                return line
+        assert process.poll() is None, f"exited {process.returncode}:\n{log.read_text()[-3000:]}"
+        time.sleep(2)
+    raise AssertionError(f"no {prefix!r} after {timeout_s} s:\n{log.read_text()[-3000:]}")
+
+
+def healthy(base_url: str) -> bool:
+    try:
+        return httpx.get(f"{base_url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def drafted_chat(base_url: str, key: str) -> float:
+    """One chat completion (with the key; refused without it) and vLLM's accepted draft tokens after it."""
+    body = {"model": "", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": MAX_TOKENS,
+            "temperature": 0}  # fmt: skip
+    body["model"] = httpx.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {key}"}).json()["data"][0][
+        "id"
+    ]
+    assert httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=600).status_code == 401
+    reply = httpx.post(f"{base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                       timeout=600)  # fmt: skip
+    reply.raise_for_status()
+    assert reply.json()["choices"][0]["message"]["content"].strip()
+    return metric(httpx.get(f"{base_url}/metrics", timeout=30).text, "vllm:spec_decode_num_accepted_tokens_total")
+
+
+def test_eagle3_serve_serves_the_draft_and_its_printed_command_starts_the_same_server(trained_export, tmp_path):
+    config, checkpoint = trained_export
+    config.server.dtype, config.server.startup_timeout_s, config.server.api_key_env = "float32", 900, KEY_VARIABLE
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text(dump_config(config))
+    env = {**os.environ, KEY_VARIABLE: "serve-test-key", "PYTHONPATH": str(REPO)}
+    log = tmp_path / "serve.out"
+    with open(log, "w") as out:
+        serve = subprocess.Popen([sys.executable, "-m", "cli", "serve", "-c", str(config_file)], stdout=out,
+                                 stderr=subprocess.STDOUT, env={**env, "COLUMNS": "400"}, cwd=REPO)  # fmt: skip
+    try:
+        base_url = wait_for_line(log, "serving at ", serve, 1200).split()[2].removesuffix("/v1")
+        assert drafted_chat(base_url, "serve-test-key") > 0, "the draft was used: accepted tokens counted"
+        printed = next(line for line in log.read_text().splitlines() if line.startswith("env "))
+        serve.send_signal(signal.SIGINT)  # Ctrl-C
+        assert serve.wait(120) == 0
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    [start] = [e for e in RunEvents(config.run_dir).read() if e["event"] == ENGINE_START and e["phase"] == "serve"]
+    assert not psutil.pid_exists(start["pid"]) or psutil.Process(start["pid"]).status() == psutil.STATUS_ZOMBIE
+    script = checkpoint.path_of("export") / "serve-vllm.sh"
+    assert script.read_text().splitlines()[-1] == f"exec {printed}" and "serve-test-key" not in script.read_text()
+
+    again = subprocess.Popen([str(script)], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and again.poll() is None and not healthy(base_url):
+            time.sleep(3)
+        assert again.poll() is None, "the printed command's server exited"
+        assert drafted_chat(base_url, "serve-test-key") > 0
+    finally:
+        os.killpg(again.pid, signal.SIGTERM)
+        try:
+            again.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(again.pid, signal.SIGKILL)
+            again.wait()

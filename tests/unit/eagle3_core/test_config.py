@@ -130,3 +130,17 @@ def test_errors_name_the_users_field_path_not_pydantics(override, line):
     [reported] = str(err.value).splitlines()[1:]
     assert reported.startswith(line)
     assert "constrained" not in reported and "literal[" not in reported and "(got {" not in reported
+
+
+def test_export_engines_with_sglang_refuse_a_flag_sglang_does_not_read_when_asked_for(tmp_path):
+    assert load_config(overrides=["export.engines=[vllm, sglang]"]).training.norm_before_residual  # turned off later
+    path = tmp_path / "c.yaml"
+    path.write_text("export:\n  engines: [vllm, sglang]\ntraining:\n  norm_before_residual: true\n")
+    with pytest.raises(ConfigError, match=r"training.norm_before_residual: SGLang does not read it") as err:
+        load_config(path)
+    assert str(path) in str(err.value)
+    assert not load_config(path, ["export.engines=[vllm]"]).export.engines.count("sglang")  # vLLM reads it
+    with pytest.raises(ConfigError, match="name each engine once"):
+        load_config(overrides=["export.engines=[vllm, vllm]"])
+    with pytest.raises(ConfigError, match=r"export\.engines"):
+        load_config(overrides=["export.engines=[]"])

@@ -213,3 +213,35 @@ def test_histograms_must_be_there_and_add_up() -> None:
         histogram_stats([{"completion_tokens": 4}], 3)
     with pytest.raises(ValueError, match="spec_verify_ct 5"):
         histogram_stats([{"spec_verify_ct": 5, "spec_correct_drafts_histogram": [1, 1]}], 3)
+
+
+def test_a_draft_with_a_flag_sglang_does_not_read_is_refused_before_any_engine(tiny_llama, tmp_path) -> None:
+    """(b) in SGLang would measure another layer than the one trained: refused with one line naming the flag,
+    before (a) loads the target or any server starts; from the CLI one `error:` line, exit status 1."""
+    from dataclasses import replace
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from eagle3_core.draft.model import Eagle3Draft
+    from eagle3_core.preflight import PreflightError
+
+    draft = random_draft(tiny_llama, draft_vocab=256)
+    flagged = Eagle3Draft(replace(draft.config, norm_before_residual=True))
+    flagged.load_state_dict(draft.state_dict(), strict=False)
+    checkpoint = exported_checkpoint(flagged, tmp_path / "draft")
+    sample_set = build_sample_set(tmp_path / "samples", tiny_llama.root_path, num_ok=8)
+    config = make_config(tmp_path / "run", prompt_sets=["holdout"], with_transformers=True)
+    with pytest.raises(PreflightError, match=r"trained with norm_before_residual, which SGLang does not read") as err:
+        evaluate_draft(config, checkpoint, tiny_llama, sample_set, RunEvents(tmp_path / "run"))
+    assert "\n" not in str(err.value) and "export.engines: [vllm, sglang]" in str(err.value)
+    events = RunEvents(tmp_path / "run").read()
+    assert not [e for e in events if e["event"] in (ENGINE_START, WEIGHT_LOAD)]
+
+    args = ["evaluate", "--draft", str(tmp_path / "draft"), "--set", f"run_dir={tmp_path / 'cli'}",
+            "--set", f"target.model={tiny_llama.root}", "--set", "evaluation.engine=sglang",
+            "--set", f"evaluation.sglang_env={{PYTHONPATH: {STANDIN}}}"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1
+    error = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "norm_before_residual" in error[0] and "Traceback" not in result.output

@@ -123,3 +123,32 @@ def test_train_draft_trains_against_the_configured_target_temperature(tmp_path, 
     hidden = extract_hidden_states(config, sample_set, tiny_llama, events)
     train_draft(config, hidden, build_vocab_map(config, sample_set, tiny_llama, events), tiny_llama, events)
     assert [objective.target_temperature for objective in built] == [0.5]
+
+
+def test_export_engines_naming_sglang_train_only_flags_sglang_builds(tmp_path, tiny_llama, sample_set) -> None:
+    """With `export.engines: [vllm, sglang]` the default recipe's norm_before_residual is not trained (SGLang
+    would serve another layer), the decision line says what it costs, the setting is in the training key, and the
+    export's card says which engines serve it."""
+    import yaml
+
+    from eagle3_core.events import DECISION
+    from eagle3_core.training.phase import phase_config
+
+    config = make_config(tmp_path)
+    both = config.model_copy(deep=True)
+    both.export.engines = ["vllm", "sglang"]
+    assert phase_config(both) != phase_config(config) and "export" not in phase_config(config)  # default: unkeyed
+    events = RunEvents(tmp_path)
+    hidden = extract_hidden_states(both, sample_set, tiny_llama, events)
+    vocab_map = build_vocab_map(both, sample_set, tiny_llama, events)
+    checkpoint = train_draft(both, hidden, vocab_map, tiny_llama, events)
+
+    exported = json.loads((checkpoint.path_of("export") / "config.json").read_text())
+    assert not exported["norm_before_residual"] and exported["fc_norm"] and exported["norm_output"]
+    [line] = [e for e in events.read() if e["event"] == DECISION and "export.engines" in e["message"]]
+    assert line["turned_off"] == ["norm_before_residual"] and "0.13 τ on validation" in line["message"]
+    assert not [e for e in events.read() if e.get("ignored_by_sglang")]  # nothing left for SGLang to ignore
+    card = (checkpoint.path_of("export") / "README.md").read_text()
+    assert yaml.safe_load(card.split("---\n")[1])["library_name"] == "vllm"
+    assert "| served by | vLLM, SGLang (export.engines) |" in card and "recipe flags | fc_norm, norm_output |" in card
+    assert train_draft(config, hidden, vocab_map, tiny_llama, events).digest != checkpoint.digest  # another key
