@@ -1,8 +1,8 @@
 """MkDocs hooks: the reference pages are generated at build time from the code itself, never committed, so
 they cannot drift from it. `reference/config.md` comes from `PipelineConfig` (field, type, default,
 description, and the role each phase gives the field, which decides its cache keys); `reference/cli.md` from
-the typer app of `cli/main.py`; `lab-log.md` is `bench/RESULTS.md` as it stands, and the Benchmarks page takes that file's "Where things stand"
-table in place of its marker, so each figure is written once."""
+the typer app of `cli/main.py`; `lab-log.md` is `bench/RESULTS.md` as it stands, and the Benchmarks page takes
+that file's "Where things stand" table in place of its marker, so each figure is written once."""
 
 from __future__ import annotations
 
