@@ -6,12 +6,17 @@ that file's "Where things stand" table in place of its marker, so each figure is
 
 from __future__ import annotations
 
+import sys
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # document this checkout's code, whichever checkout the environment installed
+
+from eagle3_core.config import EVERY_PHASE  # noqa: E402
+
 LAB_LOG = REPO / "bench" / "RESULTS.md"
 STANDING_MARKER = "<!-- bench/RESULTS.md: where things stand -->"
 STANDING_HEADING = "## Where things stand"
@@ -57,6 +62,12 @@ def default_text(info: Any) -> str:
     return f"`{value}`" if value not in (None, "") else ("`None`" if value is None else '`""`')
 
 
+def phase_role(phase: str, role: str, keyed_roles: tuple[str, ...]) -> str:
+    """`phase: role`, the phase in bold where the role puts the field in its cache key."""
+    name = "every phase" if phase == EVERY_PHASE else phase
+    return f"**{name}**: {role}" if role in keyed_roles else f"{name}: {role}"
+
+
 def config_reference() -> str:
     """Markdown: every field of `PipelineConfig`, a table per section, with the phases that read it."""
     from eagle3_core.config import PipelineConfig
@@ -69,9 +80,10 @@ def config_reference() -> str:
         "command takes `--config FILE` and any number of `--set section.field=value`; `eagle3 config` prints",
         "the resolved tree. An unknown field fails before anything runs, naming the field and the file.",
         "",
-        "**Phases** lists each phase that reads the field and the field's role there. A phase's cache key",
-        f"holds the fields whose role is one of {', '.join(f'`{role}`' for role in KEYED_ROLES)}; change one",
-        "and that phase (and every phase after it) runs again. Changing an `operational` field reruns nothing.",
+        "**Phases** lists each phase that reads the field and the field's role there; the phases in bold key on",
+        f"it: their cache key holds the fields whose role is one of {', '.join(f'`{r}`' for r in KEYED_ROLES)}.",
+        "Change such a field and that phase (and every phase after it) runs again; change an `operational`",
+        "field and nothing runs again.",
         "",
         *[f"- `{role}`: {meaning}" for role, meaning in ROLE_MEANINGS.items()],
         "",
@@ -83,7 +95,7 @@ def config_reference() -> str:
         lines += ["", f"## `{section}`", "", section_info.description or ""]
         lines += ["", "| field | type | default | description | phases |", "| --- | --- | --- | --- | --- |"]
         for path, info in rows:
-            roles = ", ".join(f"{phase}: {role}" for phase, role in marked_roles(info).items()).replace("*", "all")
+            roles = ", ".join(phase_role(phase, role, KEYED_ROLES) for phase, role in marked_roles(info).items())
             lines.append(
                 f"| `{path}` | `{cell(type_name(info.annotation))}` | {cell(default_text(info))} "
                 f"| {cell(info.description or '')} | {cell(roles)} |"
