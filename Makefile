@@ -10,7 +10,7 @@ DEMO_CONFIG ?= configs/demo.yaml
 # the other, so one core idles while they do; a second worker fills it.
 TEST_WORKERS ?= 2
 
-.PHONY: install install-gpu demo test test-unit lint format
+.PHONY: install install-gpu demo test test-unit lint docs format
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -49,7 +49,13 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
-test: lint
+# The docs site (mkdocs.yml): the configuration and CLI references are generated from the code at build time;
+# --strict fails on a broken link, a missing page or a page left out of the navigation (never with --quiet,
+# which hides the warnings --strict counts: the build then passes whatever they say).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+test: lint docs
 	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 # The fast tier alone (tiny models, fake engines, no vLLM start): what a contributor runs while editing.

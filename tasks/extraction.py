@@ -1,6 +1,7 @@
 """Prefect task of phase 3, hidden-state extraction. Keyed on what changes the stored states (backend,
 layer ids, storage dtype, shard size, the held-out split), never on batch size, concurrency, device or the
-engine's settings: shards are not re-extracted for another compute dtype (README, "Compute dtype")."""
+engine's settings: shards are not re-extracted for another compute dtype (docs/operations.md, "Engines, dtypes
+and training processes")."""
 
 from __future__ import annotations
 
