@@ -387,7 +387,7 @@ def export_command(
     from eagle3_core.training.phase import export_training_state
 
     if out is None and push_to_hub is None:
-        console.print("error: give --out DIR (export a training state) or --push-to-hub org/name", style="red")
+        print_error("give --out DIR (export a training state) or --push-to-hub org/name")
         raise typer.Exit(1)
     if push_to_hub is not None:  # before anything is written
         check_repo_id(push_to_hub)
@@ -396,12 +396,16 @@ def export_command(
     layout = RunLayout.of(cfg)
     _, target = run_target(cfg)
     folder = out or layout.draft.export
-    checkpoint = load_upstream(DraftCheckpoint, layout.draft.root, "train")
     if out is not None:
         hidden = load_upstream(HiddenStateSet, layout.hidden_states, "extract")
         vocab_map = load_upstream(VocabMap, layout.vocab, "vocab")
         paths = export_training_state(cfg, hidden, vocab_map, target, out, state)
         console.print(f"wrote {', '.join(str(p) for p in paths)}", highlight=False)
+        if push_to_hub is None and not (layout.draft.root / f"{DraftCheckpoint.kind}.json").is_file():
+            console.print("no model card: training has not finished (its card needs the run's draft checkpoint)")
+            return
+    checkpoint = load_upstream(DraftCheckpoint, layout.draft.root, "train")
+    if out is not None:
         checkpoint = DraftCheckpoint(root=str(out.resolve()), step=checkpoint.step, config=checkpoint.config)
     card = write_model_card(cfg, target, checkpoint, folder, push_to_hub)
     console.print(f"model card {card}", highlight=False, soft_wrap=True)

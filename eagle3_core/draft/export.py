@@ -157,7 +157,8 @@ def sglang_ignores(config: DraftConfig) -> list[str]:
 def sglang_refusal(draft_dir: Path) -> str | None:
     """Why SGLang must not serve the exported draft in `draft_dir` (one line naming the flags it trained with
     that SGLang does not read), or None."""
-    ignored = sglang_ignores(config_from_hf(json.loads((draft_dir / "config.json").read_text())))
+    data = read_draft_config(draft_dir)  # the flags alone: the preflight runs before the shapes are checked
+    ignored = [flag for flag in SGLANG_IGNORED_FLAGS if data.get(flag)]
     if not ignored:
         return None
     flags = " and ".join(ignored)

@@ -110,7 +110,10 @@ def test_a_config_mistake_exits_1_naming_the_field_in_the_users_words(tmp_path):
     ("args", "message"),
     [
         (["evaluate", "--bogus"], "error: No such option: --bogus. See `eagle3 evaluate --help`."),
-        (["export"], "error: Missing option '--out'. See `eagle3 export --help`."),
+        (
+            ["prepare-target", "a", "b"],
+            "error: Got unexpected extra argument(s) (b). See `eagle3 prepare-target --help`.",
+        ),
         (["sampel"], "error: No such command 'sampel'. Did you mean 'sample'? See `eagle3 --help`."),
         (["--nope", "config"], "error: No such option: --nope. See `eagle3 --help`."),
     ],

@@ -25,9 +25,11 @@ from eagle3_core.extraction.storage import bytes_per_token
 from eagle3_core.preflight import PreflightError
 from eagle3_core.sampling import preflight as sampling_preflight
 from eagle3_core.sampling.preflight import preflight_sampling
+from eagle3_core.server_defaults import resolved_server_config
 from eagle3_core.target.prepare import prepare_target
 from eagle3_core.training import preflight as training_preflight
 from eagle3_core.training.preflight import preflight_training
+from tests.helpers.devices import H100_X8
 
 REPO = Path(__file__).resolve().parents[3]
 TARGET_CONFIGS = REPO / "tests" / "data" / "target_configs"
@@ -79,13 +81,14 @@ def gpu_host(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("name", sorted(READY))
 def test_a_ready_config_passes_every_preflight_against_its_models_real_config(name, tmp_path):
     hub_id, model, gpus, layer_ids = READY[name]
+    on_gpus = resolved_server_config(resolve_config(REPO / "configs" / name, None, on_this_host=False), H100_X8)
     config = resolve_config(REPO / "configs" / name, None)
-    assert config.target.model == hub_id
-    assert (config.server.tensor_parallel_size, config.server.dtype, config.server.enforce_eager) == (
+    assert config.target.model == on_gpus.target.model == hub_id
+    assert (on_gpus.server.tensor_parallel_size, on_gpus.server.dtype, on_gpus.server.enforce_eager) == (
         gpus,
         "bfloat16",
         False,
-    )
+    )  # on the GPUs it is for: CUDA graphs
     assert config.server.env == {} and config.training.processes == "auto"
 
     folder = target_folder(tmp_path, model)
