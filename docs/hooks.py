@@ -1,8 +1,9 @@
 """MkDocs hooks: the reference pages are generated at build time from the code itself, never committed, so
 they cannot drift from it. `reference/config.md` comes from `PipelineConfig` (field, type, default,
 description, and the role each phase gives the field, which decides its cache keys); `reference/cli.md` from
-the typer app of `cli/main.py`; `lab-log.md` is `bench/RESULTS.md` as it stands, and the Benchmarks page takes
-that file's "Where things stand" table in place of its marker, so each figure is written once."""
+the typer app of `cli/main.py`; `reference/ready-configs.md` from `eagle3 plan` of each ready config
+(docs/ready_plans.py); `lab-log.md` is `bench/RESULTS.md` as it stands, and the Benchmarks page takes that
+file's "Where things stand" table in place of its marker, so each figure is written once."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # document this checkout's code, whichever checkout the environment installed
 
+from docs.ready_plans import ready_config_plans  # noqa: E402
 from eagle3_core.config import EVERY_PHASE  # noqa: E402
 
 LAB_LOG = REPO / "bench" / "RESULTS.md"
@@ -133,6 +135,7 @@ def cli_reference() -> str:
 GENERATED = {
     "reference/config.md": config_reference,
     "reference/cli.md": cli_reference,
+    "reference/ready-configs.md": lambda: ready_config_plans(),
     "lab-log.md": lambda: LAB_LOG.read_text(),
 }
 
