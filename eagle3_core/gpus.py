@@ -13,19 +13,20 @@ def has_cuda_gpus() -> bool:
     return shutil.which("nvidia-smi") is not None and gpu_compute_apps() is not None
 
 
-def gpu_compute_apps() -> dict[int, int] | None:
-    """pid -> MiB for every process holding GPU memory (nvidia-smi), or None where there is no GPU."""
+def nvidia_smi(query: str) -> str | None:
+    """nvidia-smi's CSV answer (no header, no units) to one `--query-...=fields` option; None where it cannot
+    run (no GPU, no driver)."""
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
+        command = ["nvidia-smi", query, "--format=csv,noheader,nounits"]
+        return subprocess.run(command, capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return parse_compute_apps(out)
+
+
+def gpu_compute_apps() -> dict[int, int] | None:
+    """pid -> MiB for every process holding GPU memory (nvidia-smi), or None where there is no GPU."""
+    out = nvidia_smi("--query-compute-apps=pid,used_memory")
+    return None if out is None else parse_compute_apps(out)
 
 
 def parse_compute_apps(text: str) -> dict[int, int]:
@@ -49,17 +50,8 @@ class GpuInfo:
 
 def query_gpus() -> list[GpuInfo]:
     """Every GPU nvidia-smi lists (not narrowed by CUDA_VISIBLE_DEVICES); [] where there is none."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version,compute_cap", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return parse_gpus(out)
+    out = nvidia_smi("--query-gpu=name,memory.total,driver_version,compute_cap")
+    return [] if out is None else parse_gpus(out)
 
 
 def parse_gpus(text: str) -> list[GpuInfo]:

@@ -4,7 +4,6 @@ never on a command line, into a message or a file."""
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -33,9 +32,13 @@ def check_publishable(folder: Path) -> None:
 
 
 def hub_token() -> str:
-    token = os.environ.get(TOKEN_VARIABLE)
+    """The token `huggingface_hub` itself would send (HF_TOKEN, else the one `hf auth login` stored), as the
+    target's download finds it."""
+    from huggingface_hub import get_token
+
+    token = get_token()
     if not token:
-        raise HubError(f"{TOKEN_VARIABLE} is not set: export a Hub token with write access as {TOKEN_VARIABLE}")
+        raise HubError(f"no Hub token: export a token with write access as {TOKEN_VARIABLE} (or run `hf auth login`)")
     return token
 
 

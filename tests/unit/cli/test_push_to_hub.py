@@ -10,6 +10,7 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import yaml
+from huggingface_hub import constants
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -51,10 +52,11 @@ def test_the_export_folder_is_published_with_its_card(run_dir, tiny_llama, monke
     assert hub.record.authorizations and set(hub.record.authorizations) == {f"Bearer {TOKEN}"}
 
 
-def test_no_token_or_a_bad_repo_id_is_one_error_line(run_dir, tiny_llama, monkeypatch) -> None:
+def test_no_token_or_a_bad_repo_id_is_one_error_line(run_dir, tiny_llama, monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-stored-token"))  # nor a `hf auth login` one
     result = CliRunner().invoke(app, push(run_dir, tiny_llama, "acme/tiny-eagle3"))
-    assert result.exit_code == 1 and result.output.startswith("error: HF_TOKEN is not set")
+    assert result.exit_code == 1 and result.output.startswith("error: no Hub token: export a token with write")
     assert not (run_dir / "draft" / "export" / CARD).exists()
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     result = CliRunner().invoke(app, push(run_dir, tiny_llama, "no-org"))
