@@ -448,6 +448,9 @@ def serve_command(
     text = f"{served.choice.reason}\n{served.command.shell()}\n(kept as {script})"
     console.print(text, highlight=False, markup=False, soft_wrap=True)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # stops the engine on the way out
+    # Ctrl-C stops it even where SIGINT came ignored (a shell starts its background jobs so, and Python then
+    # leaves KeyboardInterrupt off).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with rich_progress() as progress:
         server = engine_server(cfg, served, target.root_path, export_dir, events, progress).start()
     try:
