@@ -19,8 +19,8 @@ from eagle3_core.devices import DeviceFacts
 from eagle3_core.dtypes import dtype_decision, record_dtype_decision
 from eagle3_core.events import RunEvents
 from eagle3_core.progress import ProgressCallback, ignore_progress
+from eagle3_core.resolved_run import resolve_run
 from eagle3_core.run_layout import RunLayout
-from eagle3_core.server_defaults import record_server_decision, resolved_server_config, server_decision
 
 ManifestT = TypeVar("ManifestT", bound=Manifest)
 P = ParamSpec("P")
@@ -38,14 +38,14 @@ SetOption = Annotated[list[str] | None, typer.Option("--set", "-s", help="Overri
 
 
 def resolve_config(config: Path | None, overrides: list[str] | None, on_this_host: bool = True) -> PipelineConfig:
-    """Load the config or exit with the error that names the field and file; `on_this_host`: with its `auto`
-    server fields as this host runs them (`eagle3_core.server_defaults`)."""
+    """Load the config or exit with the error that names the field and file; `on_this_host`: the run resolved
+    on this host (`eagle3_core.resolved_run`: every `auto` server field and training.processes a value)."""
     try:
         loaded = load_config(config, overrides or [])
     except ConfigError as exc:
         print_error(str(exc))
         raise typer.Exit(1) from None
-    return resolved_server_config(loaded) if on_this_host else loaded
+    return resolve_run(loaded).config if on_this_host else loaded
 
 
 def run_target(
@@ -60,7 +60,7 @@ def run_target(
     target = prepare_target(cfg.target, events, progress)
     if dtypes_for:
         record_dtype_decision(cfg, events, dtypes_for)
-        record_server_decision(cfg, events, dtypes_for)
+        resolve_run(cfg).record(events, dtypes_for)
     return events, target
 
 
@@ -148,7 +148,7 @@ def show_config(
     text = explained_yaml(cfg) if explain else dump_config(cfg)
     console.print(text, highlight=False, markup=False, soft_wrap=True)  # YAML to copy: never wrapped
     console.print(f"# {dtype_decision(cfg)[0]}", highlight=False, markup=False, soft_wrap=True)
-    console.print(f"# {server_decision(cfg)[0]}", highlight=False, markup=False, soft_wrap=True)
+    console.print(f"# {resolve_run(cfg).server_line()}", highlight=False, markup=False, soft_wrap=True)
 
 
 @command("prepare-target")
@@ -507,7 +507,7 @@ def doctor_command(config: ConfigOption = None, set_: SetOption = None) -> None:
     devices = host_facts()
     cfg = resolve_config(config, set_, on_this_host=False) if config or set_ else None
     plan = plan_run(cfg, devices) if cfg else None
-    needs = needs_of(cfg, devices, plan.hidden_state_bytes) if cfg and plan else None
+    needs = needs_of(plan.run, plan.hidden_state_bytes) if plan else None
     facts = gather_host_facts(devices, cfg.run_dir if cfg else None, cfg.evaluation.sglang_python if cfg else None)
     checks = doctor_checks(facts, needs) + (plan_checks(plan.problems) if plan else [])
     console.print(render_checks(checks), highlight=False, markup=False, soft_wrap=True)

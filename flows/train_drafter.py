@@ -30,7 +30,6 @@ from eagle3_core.engine_versions import require_supported_vllm
 from eagle3_core.events import RunEvents
 from eagle3_core.extraction.layout import resolve_layer_ids
 from eagle3_core.planning.plan import plan_run, render_plan
-from eagle3_core.server_defaults import record_server_decision, resolved_server_config
 from flows.hooks import stop_engines
 from flows.summary import PhaseRun, write_summary
 from tasks.evaluation import evaluate_draft_task
@@ -81,10 +80,10 @@ def post_plan(config: PipelineConfig, key: str) -> PipelineConfig:
     require_supported_vllm(config)
     events = RunEvents(config.run_dir)
     record_dtype_decision(config, events, "flow")
-    record_server_decision(config, events, "flow")
     plan = plan_run(config, host_facts())
+    plan.run.record(events, "flow")
     create_markdown_artifact(render_plan(plan, config.run_dir), key=key, description="What each phase will do")
-    return resolved_server_config(config)
+    return plan.run.config
 
 
 def run_pipeline(config: PipelineConfig, summary_key: str) -> tuple[DraftCheckpoint, EvalReport]:

@@ -16,8 +16,9 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.files import folder_identity
 from eagle3_core.phases import PREPARE_TARGET
-from eagle3_core.target.hub import HubTargetError, hub_id_of, resolve_commit
-from eagle3_core.target.prepare import EMBEDDED, embedded_gguf, prepare_target
+from eagle3_core.target.hub import HubTargetError, resolve_commit
+from eagle3_core.target.prepare import prepare_target
+from eagle3_core.target.reference import embedded_gguf, reference_of
 from tasks.policy import PhaseCachePolicy, phase_task_options, run_phase
 from tasks.progress import PrefectProgress
 
@@ -28,17 +29,17 @@ def target_identity(config: PipelineConfig) -> Any:
     """(name, size, mtime_ns) of the embedded GGUF or of every file in the local target folder; a Hub id's
     repo and the commit its revision names now (a Hub id that cannot be resolved keys the failing run only:
     Prefect would log a failed key computation as a traceback of its own)."""
-    model = config.target.model
-    if model in EMBEDDED:
-        gguf = embedded_gguf(model)
+    reference = reference_of(config.target.model)
+    if reference.kind == "embedded":
+        gguf = embedded_gguf(reference.model)
         return [(gguf.name, (st := gguf.stat()).st_size, st.st_mtime_ns)]
-    hub = hub_id_of(model)
+    hub = reference.hub
     if hub is not None:
         try:
             return {"repo_id": hub.repo_id, "commit": resolve_commit(hub)}
         except HubTargetError as exc:  # the task meets it again and fails with it: the run's one error line
             return {"repo_id": hub.repo_id, "unresolved": str(exc)}
-    return folder_identity(model)
+    return folder_identity(reference.folder)
 
 
 POLICY = PhaseCachePolicy(spec=PREPARE_TARGET, extra=target_identity)

@@ -6,7 +6,6 @@ event is recorded, no weight is loaded. A phase whose input is not done yet is n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from eagle3_core.artifacts import DraftCheckpoint, EvalReport, HiddenStateSet, SampleSet, TargetModel, VocabMap
 from eagle3_core.config import PipelineConfig
@@ -14,11 +13,12 @@ from eagle3_core.dtypes import resolved_config
 from eagle3_core.evaluation.phase import cached_report, collect_prompts, measurement_keys, verdict_fields
 from eagle3_core.events import RunEvents
 from eagle3_core.extraction import phase as extraction
-from eagle3_core.files import sha256_file
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.prompts import Prompt
 from eagle3_core.sampling.store import SampleStore, key_matches
-from eagle3_core.target.prepare import EMBEDDED, converted_dir, describe_folder, embedded_gguf
+from eagle3_core.target.hub import cached_snapshot
+from eagle3_core.target.prepare import describe_folder, describe_snapshot
+from eagle3_core.target.reference import converted_dir, embedded_sha, reference_of
 from eagle3_core.training import phase as training
 from eagle3_core.vocab import phase_config as vocab_config
 
@@ -37,13 +37,18 @@ class DonePhases:
 
 
 def known_target(config: PipelineConfig) -> TargetModel | None:
-    """The target's manifest without converting anything: a local folder described in place, the
-    embedded target's converted folder if it exists; None where the conversion is still to come."""
-    model = config.target.model
-    if model not in EMBEDDED:
-        folder = Path(model).expanduser()
-        return describe_folder(folder, folder.name, "local") if (folder / "config.json").is_file() else None
-    return TargetModel.load_valid(converted_dir(config.target, sha256_file(embedded_gguf(model))))
+    """The target's manifest without converting, downloading or hashing anything: a local folder or a Hub
+    id's complete cached snapshot described in place (weights by digests already kept), the embedded
+    target's converted folder if it exists; None where the target is still to be prepared."""
+    reference = reference_of(config.target.model)
+    if reference.kind == "embedded":
+        return TargetModel.load_valid(converted_dir(config.target, embedded_sha(reference.model)))
+    folder = cached_snapshot(reference.hub) if reference.hub else reference.folder
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    if reference.hub is not None:
+        return describe_snapshot(reference.hub, folder, config.target.cache_dir, hash_weights=False)
+    return describe_folder(folder, folder.name, "local", config.target.cache_dir, hash_weights=False)
 
 
 def done_samples(config: PipelineConfig, target: TargetModel, prompts: list[Prompt]) -> tuple[SampleSet | None, int]:
@@ -55,9 +60,10 @@ def done_samples(config: PipelineConfig, target: TargetModel, prompts: list[Prom
     return None, len(store.ok_ids())
 
 
-def find_done(config: PipelineConfig, prompts: list[Prompt]) -> DonePhases:
-    """Walk the phases in order, each done only where the one before it is (see the module docstring)."""
-    done = DonePhases(target=known_target(config))
+def find_done(config: PipelineConfig, prompts: list[Prompt], target: TargetModel | None) -> DonePhases:
+    """Walk the phases in order from the `known_target`, each done only where the one before it is (see the
+    module docstring)."""
+    done = DonePhases(target=target)
     target, layout = done.target, RunLayout.of(config)
     if target is None:
         return done

@@ -9,14 +9,15 @@ capped at `TYPICAL_RESPONSE_TOKENS`: the seeds' 10,000 Kimi-K2.5 reasoning respo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from eagle3_core.config import ServerConfig, TrainingConfig
 from eagle3_core.devices import DeviceFacts
+from eagle3_core.extraction.reader import pack
 from eagle3_core.extraction.storage import bytes_per_token
 from eagle3_core.model_size import ModelSize
 from eagle3_core.sampling.prompts import Prompt
+from eagle3_core.training.batches import epoch_steps, run_steps
 
 CHARS_PER_TOKEN = 4
 MESSAGE_OVERHEAD_TOKENS = 8
@@ -101,28 +102,25 @@ def rank_memory(size: ModelSize, facts: DeviceFacts, server: ServerConfig) -> Ra
     )
 
 
-def training_processes(training: TrainingConfig, facts: DeviceFacts) -> int:
-    """`training.processes` on `facts`: auto is one per GPU for a CUDA device (auto or cuda), else 1."""
-    if training.processes != "auto":
-        return int(training.processes)
-    per_gpu = training.device == "cuda" or (training.device == "auto" and facts.cuda)
-    return max(1, facts.gpu_count) if per_gpu else 1
-
-
 @dataclass(frozen=True)
 class TrainingSteps:
     samples: int
+    sequences: int  # packed sequences of at most training.max_length tokens (what a step's batch holds)
     steps_per_epoch: int
     total: int
     epochs: str  # how the total came about: `4 epochs`, `up to 4 epochs (auto)`, `max_steps`
 
 
-def training_steps(trained: int, training: TrainingConfig, processes: int) -> TrainingSteps:
-    """Steps of training on `trained` samples (those left after `training.holdout_fraction` is kept for
-    validation): the run's `Schedule`, batches of batch_size per process, every process the same count."""
-    per_epoch = math.ceil(trained / (training.batch_size * processes)) if trained else 0
+def training_steps(lengths: list[int], training: TrainingConfig, processes: int) -> TrainingSteps:
+    """Steps of training on samples of `lengths` tokens (those left after `training.holdout_fraction` is kept
+    for validation), counted by training's own rules: its packing (`extraction.reader.pack`), its steps an
+    epoch and a run (`training.batches.epoch_steps`, `run_steps`)."""
+    sequences = len(pack(lengths, training.max_length))
+    per_epoch = epoch_steps(sequences, training.batch_size, processes) if sequences else 0
     epochs = training.max_epochs if training.epochs == "auto" else training.epochs
+    total = run_steps(per_epoch, training.max_steps, epochs)
     if training.max_steps:
-        return TrainingSteps(trained, per_epoch, training.max_steps, "training.max_steps")
-    label = f"up to {epochs:g} epochs (auto)" if training.epochs == "auto" else f"{epochs:g} epoch(s)"
-    return TrainingSteps(trained, per_epoch, math.ceil(epochs * per_epoch), label)
+        label = "training.max_steps"
+    else:
+        label = f"up to {epochs:g} epochs (auto)" if training.epochs == "auto" else f"{epochs:g} epoch(s)"
+    return TrainingSteps(len(lengths), sequences, per_epoch, total, label)

@@ -14,21 +14,22 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.devices import GIB, DeviceFacts
 from eagle3_core.evaluation.phase import served_unavailable
 from eagle3_core.extraction.layout import resolve_layer_ids
-from eagle3_core.model_size import ModelSize, model_size
-from eagle3_core.planning.cached import DonePhases, find_done
+from eagle3_core.model_size import ModelSize
+from eagle3_core.planning.cached import DonePhases, find_done, known_target
 from eagle3_core.planning.estimate import (
     TokenEstimate,
     expected_tokens,
     hidden_state_bytes,
     rank_memory,
     share,
-    training_processes,
     training_steps,
 )
+from eagle3_core.planning.problems import run_problems
+from eagle3_core.resolved_run import ResolvedRun, resolve_run, shape_of
 from eagle3_core.sampling.prompts import Prompt, load_prompts
 from eagle3_core.sampling.table import is_heldout
-from eagle3_core.server_defaults import device_env, resolved_server_config, server_decision, target_size
-from eagle3_core.target.prepare import EMBEDDED
+from eagle3_core.server_defaults import device_env
+from eagle3_core.target.reference import TargetShape, folder_shape
 from eagle3_core.training.preflight import draft_parameters, training_memory_bytes
 
 RUNS, SKIPPED = "runs", "skipped (done)"
@@ -49,8 +50,10 @@ class RunPlan:
     host: str
     server: str
     phases: list[PhasePlan]
-    problems: list[str]
+    problems: list[str]  # each names the field (or file) to change: the plan cannot run as it stands
     hidden_state_bytes: int  # what extraction still writes (0 when done), for `eagle3 doctor`'s disk check
+    run: ResolvedRun
+    training_steps: int = 0
 
     def phase(self, name: str) -> PhasePlan:
         return next(p for p in self.phases if p.phase == name)
@@ -151,32 +154,36 @@ def extraction_plan(
     return plan, 0 if done.hidden_states else stored
 
 
-def draft_line(config: PipelineConfig, target: TargetModel) -> str:
-    """The draft's trainable parameters and memory a training process, or why it cannot be built."""
+def draft_line(config: PipelineConfig, target: TargetModel) -> tuple[str, str | None]:
+    """The draft's trainable parameters and memory a training process; or why it cannot be built (a problem)."""
     try:
         layer_ids = resolve_layer_ids(config, target)
         vocab = min(config.vocab.draft_vocab_size, target.vocab_size)
         trainable, frozen = draft_parameters(config.training, target, vocab, layer_ids)
     except ValueError as exc:  # ConfigError included: the phases' preflights refuse it the same way
-        return f"draft: not buildable ({exc})"
+        return f"draft: not buildable ({exc})", f"draft: {exc}"
     memory = gib(training_memory_bytes(trainable, frozen))
-    return f"draft: {trainable / 1e6:,.0f}M trainable parameters, {memory} a process before activations"
+    return f"draft: {trainable / 1e6:,.0f}M trainable parameters, {memory} a process before activations", None
 
 
-def training_plan(config: PipelineConfig, facts: DeviceFacts, trained: int, done: DonePhases) -> PhasePlan:
-    tc = config.training
-    processes = training_processes(tc, facts)
-    steps = training_steps(trained, tc, processes)
+def training_plan(
+    config: PipelineConfig, run: ResolvedRun, lengths: list[int], draft: str | None, done: DonePhases
+) -> tuple[PhasePlan, int]:
+    tc, facts = config.training, run.facts
+    processes = run.processes
+    steps = training_steps(lengths, tc, processes)
     costs = [
-        f"{steps.total:,} steps ({steps.epochs}; {steps.steps_per_epoch:,} an epoch) on {steps.samples:,} samples, "
-        f"batch {tc.batch_size} a process"
+        f"{steps.total:,} steps ({steps.epochs}; {steps.steps_per_epoch:,} an epoch) on {steps.samples:,} samples "
+        f"packed into {steps.sequences:,} sequences of at most {tc.max_length:,} tokens, batch {tc.batch_size} a "
+        "process"
     ]
-    if done.target is not None:
-        costs.append(draft_line(config, done.target))
+    if draft is not None:
+        costs.append(draft)
     where = f"torchrun, {processes} processes" if processes > 1 else f"this process on {device_on(tc.device, facts)}"
-    return PhasePlan(
+    plan = PhasePlan(
         "training", status_of(done.draft), f"{tc.draft_architecture} draft, {tc.optimizer}", costs, [where]
     )
+    return plan, steps.total
 
 
 def evaluation_plan(config: PipelineConfig, facts: DeviceFacts, heldout: int, done: DonePhases) -> PhasePlan:
@@ -200,22 +207,23 @@ def evaluation_plan(config: PipelineConfig, facts: DeviceFacts, heldout: int, do
     )
 
 
-def size_of(config: PipelineConfig, done: DonePhases) -> ModelSize | None:
-    """The target's size from its folder (a local one, or the embedded target once converted)."""
-    size = target_size(config.target.model)
-    if size is None and done.target is not None:
-        return model_size(done.target.root_path)
-    return size
+def known_shape(config: PipelineConfig, target: TargetModel | None) -> tuple[TargetShape | None, str | None]:
+    """The target's config.json: from its prepared folder where it is known, else from its reference."""
+    if target is not None:
+        return folder_shape(target.root_path, str(target.root_path / "config.json")), None
+    return shape_of(config)
 
 
 def plan_run(config: PipelineConfig, facts: DeviceFacts, prompts: list[Prompt] | None = None) -> RunPlan:
     """The plan of `config` on a host with `facts` (see the module docstring)."""
-    decision, _ = server_decision(config, facts)
-    config = resolved_server_config(config, facts)
     sc = config.sampling
     prompts = load_prompts(sc.prompt_files, sc.max_prompts) if prompts is None else prompts
-    done = find_done(config, prompts)
-    size = size_of(config, done)
+    target = known_target(config)
+    shape, missing = known_shape(config, target)
+    run = resolve_run(config, facts, shape)
+    config = run.config
+    done = find_done(config, prompts, target)
+    size = shape.size if shape else None
     rows = expected_tokens(prompts, sc.responses_per_prompt, sc.max_tokens)
     if done.samples is not None and done.samples.ok:
         rows = TokenEstimate(
@@ -224,10 +232,9 @@ def plan_run(config: PipelineConfig, facts: DeviceFacts, prompts: list[Prompt] |
     kept = [p for p in prompts if not is_heldout(p.id, sc.holdout_fraction)]
     train_rows = share(rows, len(kept) * sc.responses_per_prompt, rows.source)
     validation = sum(is_heldout(f"draft-validation:{p.id}", config.training.holdout_fraction) for p in kept)
-    hidden_size = size.hidden_size if size else done.target.hidden_size if done.target else 0
-    target = prepare_plan(config, done, size)
+    hidden_size = shape.hidden_size if shape else 0
     sampling = sampling_plan(config, facts, rows, done)
-    memory, problem = memory_line(config, facts, size)
+    memory, memory_problem = memory_line(config, facts, size)
     if memory:
         sampling.costs.append(memory)
     extraction, stored = extraction_plan(config, facts, train_rows, hidden_size, done)
@@ -237,28 +244,46 @@ def plan_run(config: PipelineConfig, facts: DeviceFacts, prompts: list[Prompt] |
         f"counts the trained tokens of {train_rows.samples:,} rows; draft vocabulary {config.vocab.draft_vocab_size:,}",
     )
     trained = (len(kept) - validation) * sc.responses_per_prompt
+    planned = target or (shape.planned_target(config.target.model) if shape else None)
+    draft, draft_problem = draft_line(config, planned) if planned else (None, None)
+    training, steps = training_plan(config, run, [round(train_rows.tokens_per_sample)] * trained, draft, done)
     phases = [
-        target,
+        prepare_plan(run, done, shape),
         sampling,
         extraction,
         vocab,
-        training_plan(config, facts, trained, done),
+        training,
         evaluation_plan(config, facts, rows.samples - train_rows.samples, done),
     ]
-    missing = None if size or config.target.model in EMBEDDED else f"target.model {config.target.model}: no config.json"
-    return RunPlan(facts.describe(), decision, phases, [p for p in (missing, problem) if p], stored)
+    found = [missing, memory_problem, draft_problem, run.processes_problem]
+    problems = [p for p in found if p] + run_problems(config, facts, size, prompts)
+    return RunPlan(facts.describe(), run.server_line(), phases, problems, stored, run, steps)
 
 
-def prepare_plan(config: PipelineConfig, done: DonePhases, size: ModelSize | None) -> PhasePlan:
-    weights = (
-        [f"{size.parameters / 1e9:,.2f}B parameters, {gb(size.weight_bytes)} of weights ({size.weight_source})"]
-        if size
+def prepare_plan(run: ResolvedRun, done: DonePhases, shape: TargetShape | None) -> PhasePlan:
+    size = shape.size if shape else None
+    facts = (
+        [f"{size.parameters / 1e9:,.2f}B parameters, {gb(size.weight_bytes)} of weights ({size.weight_source}); "
+         f"H {shape.hidden_size:,} from {shape.source}"]
+        if size and shape
         else []
-    )
+    )  # fmt: skip
     if done.target is not None:
-        where = "in place" if done.target.source == "local" else "converted already"
-        return PhasePlan("prepare_target", where, f"{done.target.name} at {done.target.root}", weights)
-    return PhasePlan("prepare_target", RUNS, f"converts the embedded {config.target.model} GGUF once (one weight load)")
+        source = done.target.source
+        where = (
+            "in place"
+            if source == "local"
+            else "converted already"
+            if source.startswith("gguf:")
+            else "downloaded already"
+        )
+        return PhasePlan("prepare_target", where, f"{done.target.name} at {done.target.root}", facts)
+    reference = run.reference
+    does = {
+        "embedded": f"converts the embedded {reference.model} GGUF once (one weight load)",
+        "hub": f"downloads {reference.hub}'s serving files into the Hub cache (resumes a stopped download)",
+    }.get(reference.kind, f"describes {reference.folder} in place")
+    return PhasePlan("prepare_target", RUNS, does, facts)
 
 
 def render_plan(plan: RunPlan, run_dir: object) -> str:

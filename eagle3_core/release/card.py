@@ -18,24 +18,26 @@ from eagle3_core.config import SGLANG_IGNORED_FLAGS, ExportConfig, PipelineConfi
 from eagle3_core.files import write_text_atomic
 from eagle3_core.release.commands import KChoice, fastest_k, hub_commands
 from eagle3_core.run_layout import RunLayout
+from eagle3_core.target.reference import EMBEDDED, reference_of
 
 CARD = "README.md"
 # Embedded targets -> the Hub model they were converted from.
-EMBEDDED_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 TAGS = ["eagle3", "speculative-decoding"]
 RECIPE_FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 
 
 def base_model_id(target: TargetModel) -> str:
-    """The target's Hub id: an embedded target's source model, else config.json's `_name_or_path` where it
-    names a Hub repo (`org/name`), else the folder's name."""
-    if target.name in EMBEDDED_HUB_IDS:
-        return EMBEDDED_HUB_IDS[target.name]
+    """The target's Hub id: an embedded target's source model, a Hub target's repo, else config.json's
+    `_name_or_path` where it names a Hub repo (`target.reference` reads it), else the folder's name."""
+    if target.name in EMBEDDED:
+        return EMBEDDED[target.name].hub_id
+    if target.repo_id:
+        return target.repo_id
     config = target.root_path / "config.json"
     name = json.loads(config.read_text()).get("_name_or_path", "") if config.is_file() else ""
-    is_repo = name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
-    return name if is_repo else target.name
+    reference = reference_of(name) if name else None
+    return reference.hub.repo_id if reference and reference.hub else target.name
 
 
 def hub_link(model: str) -> str:

@@ -1,7 +1,6 @@
 """Targets named by a Hugging Face Hub id, `org/name` or `org/name@revision` (a branch, a tag or a commit sha).
 
-`target.model` is read in this order: an embedded target's name; an existing folder (a local target: it wins
-over a Hub id spelt the same); else `org/name[@revision]` is a Hub id. A Hub id is resolved by huggingface_hub
+What `target.model` names is decided in `reference` alone. A Hub id is resolved by huggingface_hub
 into the Hub's own cache (`HF_HOME` / `HF_HUB_CACHE`), only the files serving needs: a file already in the cache
 is never fetched again (a stopped download goes on file by file), and a connection cut mid-file resumes at the
 byte it stopped (HTTP Range). The snapshot folder `<cache>/models--org--name/snapshots/<sha>` is the
@@ -40,7 +39,6 @@ SERVING_FILES = [
     "chat_template.jinja",
     "chat_template.json",
 ]
-HUB_ID = re.compile(r"(?P<repo_id>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
 COMMIT = re.compile(r"[0-9a-f]{40}")
 BYTES_BAR = "huggingface_hub.snapshot_download"  # the bar of bytes written, whose total is the files' sizes
 PHASE = PREPARE_TARGET.name
@@ -65,21 +63,6 @@ class HubId:
     def pinned(self) -> bool:
         """The revision is a commit sha: it never moves."""
         return bool(COMMIT.fullmatch(self.revision))
-
-
-def parse_hub_id(model: str) -> HubId | None:
-    """`org/name` or `org/name@revision` as a HubId; None for anything else. Callers test for an existing
-    folder first: a folder wins over a Hub id of the same spelling."""
-    match = HUB_ID.fullmatch(model)
-    if match is None:
-        return None
-    return HubId(match["repo_id"], match["revision"] or "main")
-
-
-def hub_id_of(model: str) -> HubId | None:
-    """The Hub id `target.model` names; None for an existing folder (it wins) or anything else not of the form
-    `org/name[@revision]` (an embedded name has no `/`)."""
-    return None if Path(model).expanduser().is_dir() else parse_hub_id(model)
 
 
 def hub_error(hub: HubId, exc: BaseException) -> HubTargetError | None:
@@ -166,6 +149,20 @@ def resolve_commit(hub: HubId) -> str:
         sha = HfApi().model_info(hub.repo_id, revision=hub.revision).sha
     assert sha is not None, "the Hub answered a model's info without its commit sha"
     return sha
+
+
+def cached_snapshot(hub: HubId) -> Path | None:
+    """The complete snapshot folder of `hub`'s revision already in the Hub cache (no request), else None."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(
+            snapshot_download(hub.repo_id, revision=hub.revision, allow_patterns=SERVING_FILES, local_files_only=True)
+        )
+        check_complete(hub, folder)
+    except (OSError, ValueError):
+        return None
+    return folder
 
 
 def download_snapshot(hub: HubId, progress: ProgressCallback) -> Path:

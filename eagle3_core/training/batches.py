@@ -25,6 +25,16 @@ from eagle3_core.training.loss import scored_rows
 Dataset = Sequence[dict[str, torch.Tensor]]
 
 
+def epoch_steps(num_items: int, batch_size: int, world: int) -> int:
+    """Steps of one epoch: every rank runs the same count, `batch_size` items a rank a step."""
+    return math.ceil(num_items / (batch_size * world))
+
+
+def run_steps(steps_per_epoch: int, max_steps: int, epochs: float) -> int:
+    """Steps of a run: `training.max_steps` where set, else `epochs` of `steps_per_epoch`."""
+    return max_steps or math.ceil(epochs * steps_per_epoch)
+
+
 def rank_batches(num_items: int, batch_size: int, group: Group, seed: int, epoch: int | None) -> list[list[int]]:
     """This rank's batches of item indices: epoch `epoch`'s seeded permutation (None: stored order),
     padded by wrapping so every rank runs the same number of steps."""
@@ -33,7 +43,7 @@ def rank_batches(num_items: int, batch_size: int, group: Group, seed: int, epoch
     else:
         order = torch.randperm(num_items, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
     per_step = batch_size * group.world
-    steps = math.ceil(num_items / per_step)
+    steps = epoch_steps(num_items, batch_size, group.world)
     padded = (order * math.ceil(steps * per_step / num_items))[: steps * per_step]
     mine = padded[group.rank :: group.world]
     return [mine[i * batch_size : (i + 1) * batch_size] for i in range(steps)]

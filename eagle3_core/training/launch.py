@@ -47,12 +47,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap
-from eagle3_core.config import ConfigError, PipelineConfig, dump_config
+from eagle3_core.config import PipelineConfig, dump_config
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.files import sha256_json, write_text_atomic
 from eagle3_core.hosts import host_slice
 from eagle3_core.preflight import visible_gpus
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, ignore_progress
+from eagle3_core.resolved_run import resolve_processes
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.serving.lifecycle import LogTail
 from eagle3_core.serving.parent_death import die_with_launcher, die_with_parent
@@ -78,26 +79,6 @@ GPU_RELEASE_S = 120.0
 
 LogCallback = Callable[[str], None]
 log = logging.getLogger("eagle3.training")
-
-
-def resolve_processes(setting: int | str, device: str, visible: int) -> int:
-    """`training.processes` on this host: `auto` is one process per visible CUDA device where training runs
-    on CUDA (`training.device` auto or cuda), else 1; N stays N (N > 1 on a CPU: gloo workers). N > 1 on
-    one named GPU, or more CUDA processes than visible devices, is a `ConfigError` naming the fields."""
-    per_gpu = device in ("auto", "cuda") and visible > 0
-    if setting == "auto":
-        return visible if per_gpu else 1
-    processes = int(setting)
-    if processes > 1 and device.startswith("cuda:"):
-        raise ConfigError(
-            f"training.processes={processes} with training.device={device}: every rank would train on that one "
-            "GPU; set training.device to auto or cuda (rank r takes cuda:r)"
-        )
-    if per_gpu and processes > visible:
-        raise ConfigError(
-            f"training.processes={processes}: {visible} CUDA device(s) visible (nvidia-smi, CUDA_VISIBLE_DEVICES)"
-        )
-    return processes
 
 
 def eagle3_script() -> Path:

@@ -24,7 +24,15 @@ from eagle3_core.events import DECISION, RESUME, RunEvents
 from eagle3_core.phases import TRAINING
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.sampling.table import is_heldout
-from eagle3_core.training.batches import BatchPrefetcher, Dataset, collate, rank_batches, step_batches
+from eagle3_core.training.batches import (
+    BatchPrefetcher,
+    Dataset,
+    collate,
+    epoch_steps,
+    rank_batches,
+    run_steps,
+    step_batches,
+)
 from eagle3_core.training.curves import TrainingCurves
 from eagle3_core.training.distributed import Group, all_reduce_sum, barrier, wrap
 from eagle3_core.training.ema import WeightAverage, averaged, weight_average
@@ -149,9 +157,9 @@ class Schedule:
     @classmethod
     def of(cls, num_items: int, tc: TrainingConfig, group: Group) -> Schedule:
         """`training.max_steps`, else `training.epochs` (auto: the `max_epochs` budget) of `num_items` items."""
-        steps_per_epoch = len(rank_batches(num_items, tc.batch_size, group, tc.seed, 0))
+        steps_per_epoch = epoch_steps(num_items, tc.batch_size, group.world)
         epochs = tc.max_epochs if tc.epochs == "auto" else tc.epochs
-        return cls(steps_per_epoch, tc.max_steps or math.ceil(epochs * steps_per_epoch))
+        return cls(steps_per_epoch, run_steps(steps_per_epoch, tc.max_steps, epochs))
 
     def position(self, step: int) -> dict[str, int]:
         """The data position after `step` steps, as saved in (and checked against) a training state."""

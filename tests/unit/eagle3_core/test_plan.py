@@ -14,9 +14,9 @@ from eagle3_core.devices import GIB
 from eagle3_core.events import RunEvents
 from eagle3_core.planning.estimate import TYPICAL_RESPONSE_TOKENS, hidden_state_bytes
 from eagle3_core.planning.plan import plan_run, render_plan
+from eagle3_core.resolved_run import resolve_run
 from eagle3_core.sampling.prompts import load_prompts
 from eagle3_core.sampling.store import PartWriter, SampleStore, run_key
-from eagle3_core.server_defaults import resolved_server_config
 from tests.helpers.devices import CPU_ONLY, H100_X8, H200_X8, kimi_folder
 from tests.helpers.targets import KIMI_TEXT
 
@@ -36,7 +36,8 @@ def test_the_demo_plan_on_a_cpu(demo):
     assert plan.server.startswith("server on CPU only: AMD EPYC 7B13, 2 cores: enforce_eager auto -> True")
     assert plan.server.endswith("engine env VLLM_CPU_KVCACHE_SPACE=2, VLLM_CPU_NUM_OF_RESERVED_CPU=0")
     assert plan.phase("prepare_target").status == "converted already"
-    assert plan.phase("prepare_target").costs == ["0.13B parameters, 269.1 MB of weights (1 safetensors file(s))"]
+    (prepared,) = plan.phase("prepare_target").costs
+    assert prepared.startswith("0.13B parameters, 269.1 MB of weights (1 safetensors file(s)); H 576 from ")
 
     sampling = plan.phase("sampling")
     assert (sampling.status, sampling.does) == ("runs", "128 responses of at most 128 tokens")
@@ -51,7 +52,10 @@ def test_the_demo_plan_on_a_cpu(demo):
     assert extraction.engines == ["transformers in this process on cpu (one weight load)"]
 
     training = plan.phase("training")
-    assert training.costs[0] == "32 steps (training.max_steps; 105 an epoch) on 105 samples, batch 1 a process"
+    assert training.costs[0] == (
+        "32 steps (training.max_steps; 18 an epoch) on 105 samples packed into 18 sequences of at most 1,024 "
+        "tokens, batch 1 a process"
+    )  # 158 tokens a sample: 6 to a 1,024-token sequence
     assert training.costs[1].startswith("draft: 10M trainable parameters")
     assert training.engines == ["this process on cpu"]
 
@@ -64,7 +68,7 @@ def test_rows_already_sampled_under_the_runs_key_are_resumed_and_others_are_not(
     """The plan decides as sampling does (its run key, its ok rows), and changes nothing doing so."""
     from eagle3_core.planning.cached import known_target
 
-    config = resolved_server_config(demo)
+    config = resolve_run(demo).config
     target = known_target(config)
     prompts = load_prompts(config.sampling.prompt_files, config.sampling.max_prompts)
     samples = config.run_dir / "samples"
@@ -142,3 +146,36 @@ def test_the_rendered_plan_has_a_section_a_phase(demo):
         "## evaluation",
     ]
     assert not demo.run_dir.exists()
+
+
+def test_the_embedded_targets_hidden_size_is_known_before_it_is_converted(tmp_path):
+    """The GGUF's own metadata sizes the hidden states of a fresh host (no converted folder, nothing converted)."""
+    config = load_config(DEMO, [f"run_dir={tmp_path / 'run'}", f"target.cache_dir={tmp_path / 'empty-cache'}"])
+    plan = plan_run(config, H100_X8)
+    assert plan.problems == []
+    assert plan.phase("prepare_target").status == "runs"
+    assert plan.phase("prepare_target").costs[0].endswith("H 576 from the metadata of SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert "x H 576)" in plan.phase("extraction").costs[0] and plan.hidden_state_bytes > 0
+    assert not (tmp_path / "empty-cache").exists()
+
+
+def test_the_plans_steps_are_what_training_counts_for_the_same_samples(demo, tmp_path):
+    """Training's own dataset and schedule, over hidden states of the plan's samples, take the plan's steps."""
+    import torch
+
+    from eagle3_core.extraction.reader import HiddenStateDataset
+    from eagle3_core.training.distributed import Group
+    from eagle3_core.training.loop import Schedule
+    from tests.helpers.hidden_state_sets import make_set
+
+    config = demo.model_copy(update={"training": demo.training.model_copy(update={"max_steps": None, "epochs": 3})})
+    plan = plan_run(config, CPU_ONLY)
+    (hidden_states := tmp_path / "hidden").mkdir()
+    data = HiddenStateDataset(make_set(hidden_states, [158] * 105, per_shard=64), config.training.max_length)
+    for world in (1, 2):
+        schedule = Schedule.of(len(data), config.training, Group(0, world, torch.device("cpu")))
+        on_host = plan_run(
+            config.model_copy(update={"training": config.training.model_copy(update={"processes": world})}), CPU_ONLY
+        )
+        assert on_host.training_steps == schedule.total
+    assert plan.training_steps == 3 * 18

@@ -18,12 +18,10 @@ from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.gpus import parse_gpus
 from eagle3_core.model_size import model_size, size_of_config
 from eagle3_core.phases import KEYED_ROLES, keyed_fields
+from eagle3_core.resolved_run import resolve_run
 from eagle3_core.server_defaults import (
     CPU_ENV,
-    record_server_decision,
     resolve_server,
-    resolved_server_config,
-    server_decision,
 )
 from eagle3_core.serving.engine import build_command, build_env
 from tests.helpers.devices import CPU_ONLY, H100_X8, H200_X8, L4_X1, TARGET_CONFIGS, kimi_folder
@@ -101,7 +99,7 @@ def test_tensor_parallel_is_the_smallest_width_that_holds_the_weights_and_data_p
 
 
 def test_a_target_too_large_for_the_host_gets_the_widest_even_split_and_says_so(kimi):
-    line, _ = server_decision(load_config(overrides=[f"target.model={kimi}"]), H100_X8)
+    line = resolve_run(load_config(overrides=[f"target.model={kimi}"]), H100_X8).server_line()
     assert "tensor_parallel_size auto -> 8 (594.2 GB of weights do not fit 8 GPU(s) of 73.3 GiB" in line
     assert resolved(L4_X1, LLAMA_70B).tensor_parallel_size == 1
 
@@ -152,7 +150,7 @@ def test_on_cuda_no_vllm_cpu_variable_is_set():
 
 def test_cache_keys_hold_resolved_values_never_auto(tmp_path):
     auto = PipelineConfig(run_dir=tmp_path)
-    explicit = resolved_server_config(auto)
+    explicit = resolve_run(auto).config
     assert explicit.server.tensor_parallel_size != "auto"
     for phase in ("sampling", "extraction", "evaluation"):
         key = keyed_fields(auto, phase, KEYED_ROLES)
@@ -167,18 +165,19 @@ def test_cache_keys_hold_resolved_values_never_auto(tmp_path):
 
 def test_the_decision_line_says_each_value_and_why(tmp_path):
     config = load_config(overrides=[f"target.model={LLAMA_70B}", f"run_dir={tmp_path}", "server.enforce_eager=true"])
-    line, fields = server_decision(config, H100_X8)
+    run = resolve_run(config, H100_X8)
+    line = run.server_line()
     assert line.startswith("server on 8 x NVIDIA H100 80GB HBM3 (79.6 GiB each): enforce_eager True (set); ")
     assert "tensor_parallel_size auto -> 2 (141.1 GB of weights / 2 = 65.7 GiB a rank of 73.3 GiB usable" in line
     assert "data_parallel_size auto -> 4 (8 GPU(s) // tensor_parallel_size 2)" in line
     assert line.endswith("no VLLM_CPU_* env")
-    assert fields["server"] == {
+    assert {name: choice.value for name, choice in run.choices.items() if "." not in name} == {
         "enforce_eager": True,
         "gpu_memory_utilization": 0.92,
         "tensor_parallel_size": 2,
         "data_parallel_size": 4,
     }
-    record_server_decision(config, RunEvents(tmp_path), "flow")
+    run.record(RunEvents(tmp_path), "flow")
     assert [e["event"] for e in RunEvents(tmp_path).read()] == [DECISION]
 
 
@@ -195,4 +194,7 @@ def test_eagle3_config_prints_auto_and_what_it_stands_for_here():
     result = CliRunner().invoke(app, ["config", "--set", f"target.model={LLAMA_8B}"])
     assert result.exit_code == 0, result.output
     assert "tensor_parallel_size: auto" in result.output
-    assert f"# {server_decision(load_config(overrides=[f'target.model={LLAMA_8B}']), host_facts())[0]}" in result.output
+    assert (
+        f"# {resolve_run(load_config(overrides=[f'target.model={LLAMA_8B}']), host_facts()).server_line()}"
+        in result.output
+    )

@@ -19,8 +19,9 @@ from huggingface_hub import constants
 from eagle3_core.config import PipelineConfig, TargetConfig
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.progress import ProgressUpdate
-from eagle3_core.target.hub import HubId, HubTargetError, hub_id_of, parse_hub_id
+from eagle3_core.target.hub import HubId, HubTargetError
 from eagle3_core.target.prepare import prepare_target
+from eagle3_core.target.reference import parse_hub_id, reference_of
 from tasks.target import POLICY
 from tests.helpers.hub_cache import add_commit, repo_folder, use_hub_cache
 from tests.helpers.hub_standin import HubRepo, hub_standin
@@ -47,9 +48,9 @@ def test_hub_ids_parse_and_an_existing_folder_wins(tmp_path: Path, monkeypatch: 
     for not_an_id in ("smollm2-135m-instruct", "/abs/org/name", "./org/name", "a/b/c", "org/", "org/name@"):
         assert parse_hub_id(not_an_id) is None, not_an_id
     monkeypatch.chdir(tmp_path)
-    assert hub_id_of("org/name") == HubId("org/name")
+    assert reference_of("org/name").hub == HubId("org/name")
     (tmp_path / "org" / "name").mkdir(parents=True)
-    assert hub_id_of("org/name") is None, "an existing folder wins over a Hub id spelt the same"
+    assert reference_of("org/name").hub is None, "an existing folder wins over a Hub id spelt the same"
 
 
 def test_offline_hub_id_resolves_to_its_snapshot_and_commit(hub_cache: Path, tiny_llama, tmp_path: Path):
