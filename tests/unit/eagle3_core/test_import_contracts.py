@@ -38,6 +38,14 @@ def test_the_contracts_hold() -> None:
         ("eagle3_core/sampling/table.py", "from eagle3_core.sampling import phase", "no import loops"),
         ("tasks/gpu_slot/records.py", "from prefect.settings import get_current_settings", "holder records are pure"),
         ("tasks/gpu_slot/records.py", "from tasks.gpu_slot import leases", "no import loops"),
+        ("eagle3_core/planning/plan.py", "import huggingface_hub", "what the target is is decided"),
+        ("cli/main.py", "from huggingface_hub import snapshot_download", "what the target is is decided"),
+        ("eagle3_core/doctor.py", "from eagle3_core.server_defaults import resolve_server", "every auto is resolved"),
+        ("flows/train_drafter.py", "from eagle3_core import server_defaults", "every auto is resolved"),
+        ("eagle3_core/planning/estimate.py", "from eagle3_core.training import loop", "the planner reads and counts"),
+        ("eagle3_core/planning/plan.py", "from eagle3_core.serving import engine", "the planner reads and counts"),
+        ("eagle3_core/doctor.py", "from eagle3_core.planning import plan", "the doctor reads facts"),
+        ("eagle3_core/release/card.py", "from eagle3_core.training import loop", "release publishes"),
     ],
 )
 def test_a_violation_fails(tmp_path: Path, module: str, line: str, broken: str) -> None:
