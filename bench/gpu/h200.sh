@@ -23,6 +23,11 @@
 #                                   evaluation.engine=sglang, measurement (b) alone, in a run folder of its own
 #   bash bench/gpu/h200.sh both     (SGLang staged) the flow, and `sglang`'s evaluation beside it on the same
 #                                   GPU as soon as the draft is exported: vLLM's and SGLang's (b) in one call
+#   bash bench/gpu/h200.sh hub      (issue 52) the embedded target written as the Hub id
+#                                   HuggingFaceTB/SmolLM2-135M-Instruct in a local Hub cache, HF_HUB_OFFLINE=1:
+#                                   `eagle3 doctor`, `eagle3 plan`, then the demo flow (configs/demo.yaml, every
+#                                   `auto` as it ships), and the plan's bytes and steps beside the run's
+#                                   (bench/gpu/hub_plan.py); hub-*.txt/json/md in the output
 # On nvidia-h200-x2 (issue 29; staged with --moe):
 #   bash bench/gpu/h200.sh pair       DDP throughput (one GPU, then both), then the SmolLM2 flow's training on
 #                                     both GPUs (training.processes auto) against two hand-run `torchrun
@@ -186,6 +191,23 @@ case ${1:-} in
         | tee "$OUT/cosines.json"
     fi
     collect
+    ;;
+  hub)
+    timed python3 -m bench.gpu.device install || exit 1
+    eagle3_on_path
+    timed python3 -m bench.gpu.hub_plan cache "$T/hub" "$T/cache" || exit 1
+    export HF_HUB_CACHE=$T/hub HF_HUB_OFFLINE=1
+    # The staged vLLM carries no flashinfer: its sampler is told so (bench/gpu/configs/h200-smollm2.yaml); no auto set.
+    HUB=(-c configs/demo.yaml --set "run_dir=$T/run-hub" --set "target.cache_dir=$T/cache"
+      --set target.model=HuggingFaceTB/SmolLM2-135M-Instruct --set 'server.env={"VLLM_USE_FLASHINFER_SAMPLER": "0"}'
+      "${EXTRA[@]}")
+    timed python3 -m cli doctor "${HUB[@]}" 2>&1 | tee "$OUT/hub-doctor.txt"
+    timed python3 -m cli plan "${HUB[@]}" 2>&1 | tee "$OUT/hub-plan.md"
+    timed python3 -m bench.gpu.hub_plan plan "$OUT/hub-plan.json" "${HUB[@]}" >/dev/null
+    timed timeout -s TERM -k 20 $((END - SECONDS - 40)) python3 -m cli run "${HUB[@]}" 2>&1 |
+      tee "$OUT/hub-run.log" | grep -v " | DEBUG" | tail -30
+    timed python3 -m bench.gpu.hub_plan compare "$OUT/hub-plan.json" "$T/run-hub" | tee "$OUT/hub-measured.json"
+    cp "$T/run-hub/events.jsonl" "$OUT/hub-events.jsonl" 2>/dev/null
     ;;
   kimi)
     timed python3 -m bench.gpu.device install || exit 1

@@ -18,6 +18,7 @@ from eagle3_core.model_size import ModelSize
 from eagle3_core.planning.cached import DonePhases, find_done, known_target
 from eagle3_core.planning.estimate import (
     TokenEstimate,
+    TrainingSteps,
     expected_tokens,
     hidden_state_bytes,
     rank_memory,
@@ -52,7 +53,8 @@ class RunPlan:
     problems: list[str]  # each names the field (or file) to change: the plan cannot run as it stands
     hidden_state_bytes: int  # what extraction still writes (0 when done), for `eagle3 doctor`'s disk check
     run: ResolvedRun
-    training_steps: int = 0
+    hidden_states_total: int  # what extraction writes for the whole run (done or not)
+    steps: TrainingSteps
 
     def phase(self, name: str) -> PhasePlan:
         return next(p for p in self.phases if p.phase == name)
@@ -132,6 +134,7 @@ def sampling_plan(config: PipelineConfig, run: ResolvedRun, rows: TokenEstimate,
 def extraction_plan(
     config: PipelineConfig, run: ResolvedRun, train_rows: TokenEstimate, hidden_size: int, done: DonePhases
 ) -> tuple[PhasePlan, int]:
+    """The phase, and the bytes its hidden states take."""
     ex = config.extraction
     stored = hidden_state_bytes(train_rows.tokens, hidden_size, ex.dtype)
     shards = math.ceil(train_rows.samples / ex.samples_per_shard) if train_rows.samples else 0
@@ -151,7 +154,7 @@ def extraction_plan(
         [f"hidden states: {gb(stored)} at {ex.dtype} (~{train_rows.tokens:,} tokens x H {hidden_size:,})"],
         [engine],
     )
-    return plan, 0 if done.hidden_states else stored
+    return plan, stored
 
 
 def draft_line(config: PipelineConfig, target: TargetModel) -> tuple[str, str | None]:
@@ -168,7 +171,7 @@ def draft_line(config: PipelineConfig, target: TargetModel) -> tuple[str, str | 
 
 def training_plan(
     config: PipelineConfig, run: ResolvedRun, lengths: list[int], draft: str | None, done: DonePhases
-) -> tuple[PhasePlan, int]:
+) -> tuple[PhasePlan, TrainingSteps]:
     tc, facts = config.training, run.facts
     processes = run.processes
     steps = training_steps(lengths, tc, processes)
@@ -183,7 +186,7 @@ def training_plan(
     plan = PhasePlan(
         "training", status_of(done.draft), f"{tc.draft_architecture} draft, {tc.optimizer}", costs, [where]
     )
-    return plan, steps.total
+    return plan, steps
 
 
 def evaluation_plan(config: PipelineConfig, run: ResolvedRun, heldout: int, done: DonePhases) -> PhasePlan:
@@ -257,7 +260,8 @@ def plan_run(config: PipelineConfig, facts: DeviceFacts, prompts: list[Prompt] |
     ]
     found = [missing, memory_problem, draft_problem, run.processes_problem]
     problems = [p for p in found if p] + run_problems(config, facts, planned, prompts)
-    return RunPlan(facts.describe(), run.server_line(), phases, problems, stored, run, steps)
+    to_write = 0 if done.hidden_states else stored
+    return RunPlan(facts.describe(), run.server_line(), phases, problems, to_write, run, stored, steps)
 
 
 def prepare_plan(run: ResolvedRun, done: DonePhases, shape: TargetShape | None) -> PhasePlan:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from prefect.settings import PREFECT_API_URL
 
+from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet
 from eagle3_core.events import CACHE_HIT, DECISION, ENGINE_START, WEIGHT_LOAD, RunEvents
 from eagle3_core.faults import ENV
 from tests.helpers.hub_cache import add_commit
@@ -64,20 +65,49 @@ def run(config: Path, env: dict[str, str], fault: str | None = None) -> tuple[su
     return result, started
 
 
+def planned(config: Path, monkeypatch: pytest.MonkeyPatch, cache: Path):
+    """`eagle3 plan`'s plan of `config` on this host, the Hub id read from `cache` offline."""
+    from eagle3_core.config import load_config
+    from eagle3_core.devices import host_facts
+    from eagle3_core.planning.plan import plan_run
+    from tests.helpers.hub_cache import use_hub_cache
+
+    use_hub_cache(monkeypatch, cache)
+    return plan_run(load_config(config), host_facts())
+
+
+def within(planned: float, measured: float, share: float = 0.10) -> bool:
+    return abs(planned - measured) <= share * measured
+
+
 def since(run_dir: Path, started: float, event: str) -> list[dict]:
     return [e for e in RunEvents(run_dir).read() if e["ts"] >= started and e["event"] == event]
 
 
 @pytest.mark.timeout(1800)
-def test_demo_flow_on_a_hub_id_caches_then_follows_a_moved_ref(prefect_api, smollm2_target, tmp_path: Path):
+def test_demo_flow_on_a_hub_id_caches_then_follows_a_moved_ref(prefect_api, smollm2_target, tmp_path, monkeypatch):
     cache = tmp_path / "hub"
     first_commit = add_commit(cache, "org/smollm2", smollm2_target.root_path)
     config, run_dir = demo_config(tmp_path)
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "HF_HUB_CACHE": str(cache),
            "HF_HUB_OFFLINE": "1", "HF_TOKEN": TOKEN}  # fmt: skip
+    before = planned(config, monkeypatch, cache)
+    assert before.problems == [] and before.hidden_state_bytes > 0, before.problems
 
     first, started = run(config, env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    after_sampling = planned(config, monkeypatch, cache)  # sampled: the plan counts the SampleSet's own tokens
+    hidden = HiddenStateSet.load(run_dir / "hidden_states")
+    written = sum(f.bytes for f in hidden.files if f.path.endswith(".safetensors"))
+    [trained] = [e for e in since(run_dir, started, DECISION) if e["phase"] == "training" and "packed" in e["message"]]
+    sequences = int(trained["message"].split("(")[1].split(" packed")[0])
+    measured = f"written {written:,} B, {sequences} sequences; planned {before.hidden_states_total:,} B and " \
+        f"{before.steps.sequences} before sampling, {after_sampling.hidden_states_total:,} B and " \
+        f"{after_sampling.steps.sequences} after"  # fmt: skip
+    assert within(after_sampling.hidden_states_total, written), measured
+    assert within(before.hidden_states_total, written), measured
+    assert within(after_sampling.steps.sequences, sequences) and within(before.steps.sequences, sequences), measured
+    assert before.steps.total == after_sampling.steps.total == DraftCheckpoint.load(run_dir / "draft").step
     [resolved] = [e for e in since(run_dir, started, DECISION) if e["phase"] == "prepare_target"]
     assert resolved["commit"] == first_commit and resolved["message"].startswith("target org/smollm2@main is commit")
     assert {e["phase"] for e in since(run_dir, started, WEIGHT_LOAD)} >= {"sampling", "extraction", "evaluation"}

@@ -177,5 +177,5 @@ def test_the_plans_steps_are_what_training_counts_for_the_same_samples(demo, tmp
         on_host = plan_run(
             config.model_copy(update={"training": config.training.model_copy(update={"processes": world})}), CPU_ONLY
         )
-        assert on_host.training_steps == schedule.total
-    assert plan.training_steps == 3 * 18
+        assert (on_host.steps.steps_per_epoch, on_host.steps.total) == (schedule.steps_per_epoch, schedule.total)
+    assert plan.steps.total == 3 * 18
