@@ -1,4 +1,5 @@
-"""The run, resolved once: the config with every `auto` replaced by its value on a host, each with the reason,
+"""The run, resolved once: the config with every `auto` server field replaced by its value on a host, and every
+`auto` (server fields, compute dtypes, training processes) with its value and the reason in `choices`;
 built from the config, the host's `DeviceFacts` and the target reference (`target.reference`: its config.json,
 so a Hub id is sized by its real config before anything is downloaded). `eagle3 plan`, `eagle3 doctor`, every
 CLI command and the flow build one (`resolve_run`) and hand its `config` on; the choices themselves are the
@@ -23,6 +24,10 @@ from eagle3_core.target.hub import HubTargetError
 from eagle3_core.target.reference import TargetNotFound, TargetReference, TargetShape, reference_of, target_shape
 
 DTYPE_FIELDS = ("server.dtype", "extraction.compute_dtype", "evaluation.dtype")
+# Choices the resolved config keeps as `auto` (each decided by the same function where it runs): compute dtypes
+# (`dtypes` keys and records them alike) and training.processes (a multi-host run trains on other hosts than the
+# flow's: each launcher applies `resolve_processes` to its own GPUs).
+KEPT_AUTO = (*DTYPE_FIELDS, "training.processes")
 
 
 def resolve_processes(setting: int | str, device: str, visible: int) -> int:
@@ -82,7 +87,8 @@ class ResolvedRun:
 
     @property
     def processes(self) -> int:
-        return int(self.config.training.processes)
+        """Training processes on this host (the launcher applies the same rule on the host it runs on)."""
+        return int(self.choices["training.processes"].value)
 
     def server_line(self) -> str:
         """One line: what each auto-able server field is on this host and why, and the engine's environment."""
@@ -142,7 +148,7 @@ def resolve_run(
     resolved = config.model_copy(deep=True)
     for path, choice in choices.items():
         section, _, name = path.rpartition(".")
-        if path not in DTYPE_FIELDS:  # dtypes keep `auto` in the config: `dtypes` keys and records them alike
+        if path not in KEPT_AUTO:
             setattr(getattr(resolved, section or "server"), name, choice.value)
     return ResolvedRun(
         config=resolved,
