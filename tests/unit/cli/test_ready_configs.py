@@ -212,3 +212,13 @@ def test_a_plan_that_cannot_run_exits_1_naming_the_field(tmp_path, monkeypatch):
     empty.write_text("")
     result = CliRunner().invoke(app, [*base, "--set", f"sampling.prompt_files=[{empty}]"])
     assert result.exit_code == 1 and "sampling.prompt_files" in result.output and "0 prompts" in result.output
+
+
+def test_a_hub_id_neither_cached_nor_reachable_is_a_problem_naming_target_model(tmp_path, monkeypatch):
+    from eagle3_core.planning.plan import plan_run
+
+    use_hub_cache(monkeypatch, tmp_path / "empty-hub")
+    config = resolve_config(REPO / "configs/llama-3.1-8b-instruct-1gpu.yaml", [f"run_dir={tmp_path}"], False)
+    plan = plan_run(config, H100_X1)
+    assert plan.problems[0].startswith("target.model meta-llama/Llama-3.1-8B-Instruct@main: HF_HUB_OFFLINE is set")
+    assert "x H 0)" in plan.phase("extraction").costs[0], "no size is made up where config.json cannot be read"
