@@ -1,8 +1,9 @@
 """The numbers of a plan, each a pure function: tokens a run will sample, the disk its hidden states take,
 the GPU memory of each engine rank, and the training steps.
 
-Before sampling, a sample's tokens are expected, not known: its prompt at `CHARS_PER_TOKEN` characters a
-token (plus `MESSAGE_OVERHEAD_TOKENS` of chat template a message), and a response of `sampling.max_tokens`
+Before sampling, a sample's tokens are expected, not known: its prompt rendered with the target's chat template
+and counted by its tokenizer where the target's folder is at hand (else at `CHARS_PER_TOKEN` characters a
+token plus `MESSAGE_OVERHEAD_TOKENS` of chat template a message), and a response of `sampling.max_tokens`
 capped at `TYPICAL_RESPONSE_TOKENS`: the seeds' 10,000 Kimi-K2.5 reasoning responses came to 21M tokens,
 2,100 a sample, at max_tokens 16,384. Once a SampleSet exists, its own token count is used.
 """
@@ -16,12 +17,14 @@ from eagle3_core.devices import DeviceFacts
 from eagle3_core.extraction.reader import pack
 from eagle3_core.extraction.storage import bytes_per_token
 from eagle3_core.model_size import ModelSize
+from eagle3_core.sampling.chat_tokens import ChatTokenizer
 from eagle3_core.sampling.prompts import Prompt
 from eagle3_core.training.batches import epoch_steps, run_steps
 
 CHARS_PER_TOKEN = 4
 MESSAGE_OVERHEAD_TOKENS = 8
 TYPICAL_RESPONSE_TOKENS = 2_100
+TEMPLATED_PROMPTS = 256  # prompts rendered with the target's chat template to count a prompt's tokens
 
 
 @dataclass(frozen=True)
@@ -45,15 +48,33 @@ def prompt_tokens(prompt: Prompt) -> float:
     )
 
 
-def expected_tokens(prompts: list[Prompt], responses_per_prompt: int, max_tokens: int) -> TokenEstimate:
-    """The rows sampling makes of `prompts` and their expected tokens (see the module docstring)."""
+def templated_tokens(prompts: list[Prompt], chat: ChatTokenizer) -> float:
+    """A prompt's mean tokens as the server is fed them (the target's own chat template and tokenizer, what
+    sampling records), over at most TEMPLATED_PROMPTS prompts spread over the set, plus the tokens the template
+    writes around an assistant reply (its end-of-turn markers)."""
+    step = max(1, len(prompts) // TEMPLATED_PROMPTS)
+    chosen = prompts[::step][:TEMPLATED_PROMPTS]
+    around_reply = len(chat.encode(chat.assistant_text(chosen[0].messages, "")))
+    return sum(len(chat.prompt_ids(p.messages)) for p in chosen) / len(chosen) + around_reply
+
+
+def expected_tokens(
+    prompts: list[Prompt], responses_per_prompt: int, max_tokens: int, chat: ChatTokenizer | None = None
+) -> TokenEstimate:
+    """The rows sampling makes of `prompts` and their expected tokens (see the module docstring); with the
+    target's tokenizer at hand (`chat`), the prompts' tokens are counted, not estimated."""
     samples = len(prompts) * responses_per_prompt
     if not samples:
         return TokenEstimate(0, 0.0, "no prompts")
     response = min(max_tokens, TYPICAL_RESPONSE_TOKENS)
-    mean_prompt = sum(prompt_tokens(p) for p in prompts) / len(prompts)
+    if chat is not None:
+        mean_prompt = templated_tokens(prompts, chat)
+        how = "the target's chat template and tokenizer"
+    else:
+        mean_prompt = sum(prompt_tokens(p) for p in prompts) / len(prompts)
+        how = f"characters / {CHARS_PER_TOKEN}"
     source = (
-        f"expected: {mean_prompt:.0f} prompt tokens (characters / {CHARS_PER_TOKEN}) + {response:,} response "
+        f"expected: {mean_prompt:.0f} prompt tokens ({how}) + {response:,} response "
         f"tokens (sampling.max_tokens {max_tokens:,}, at most {TYPICAL_RESPONSE_TOKENS:,})"
     )
     return TokenEstimate(samples, mean_prompt + response, source)

