@@ -39,7 +39,7 @@ SetOption = Annotated[list[str] | None, typer.Option("--set", "-s", help="Overri
 
 def resolve_config(config: Path | None, overrides: list[str] | None, on_this_host: bool = True) -> PipelineConfig:
     """Load the config or exit with the error that names the field and file; `on_this_host`: the run resolved
-    on this host (`eagle3_core.resolved_run`: every `auto` server field and training.processes a value)."""
+    on this host (`eagle3_core.resolved_run`: every `auto` server field a value, sized by the target's config.json)."""
     try:
         loaded = load_config(config, overrides or [])
     except ConfigError as exc:
