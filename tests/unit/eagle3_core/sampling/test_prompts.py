@@ -53,7 +53,9 @@ def test_parquet_with_messages_column(tmp_path):
         ('{"prompt": "ok"', "Expecting"),
         ('{"text": "no prompt field"}', "needs `messages`"),
         ('{"messages": [{"role": "robot", "content": "x"}]}', "role must be one of"),
-        ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}', "assistant"),
+        ('{"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]}', "starts with"),
+        ('{"conversations": [{"from": "alien", "value": "q"}]}', "from must be one of"),
+        ('{"prompt": "q", "tools": [{"type": "function"}]}', r"tools\[0\]"),
         ('["a list"]', "expected a JSON object"),
     ],
 )
