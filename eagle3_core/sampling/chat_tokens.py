@@ -118,12 +118,17 @@ class ChatTokenizer:
     ) -> str:
         """The text that follows the rendered prompt when the template renders `generated` (and `tool_calls`)
         as the assistant's reply: found by rendering a sentinel reply and putting the generated text in its
-        place, so any text the template writes around a reply (end-of-turn markers, tool calls) is kept."""
+        place, so any text the template writes around a reply (end-of-turn markers, tool calls) is kept. A
+        template that renders tool calls in place of the content renders the reply as it is."""
         prompt = self.render(messages, add_generation_prompt=True, tools=tools)
         reply: dict[str, Any] = {"role": "assistant", "content": SENTINEL}
         if tool_calls:
             reply["tool_calls"] = tool_calls
         full = self.render([*messages, reply], add_generation_prompt=False, tools=tools)
+        if SENTINEL not in full and tool_calls:  # templates that show tool calls instead of the content
+            full = self.render([*messages, {**reply, "content": generated}], add_generation_prompt=False, tools=tools)
+            if full.startswith(prompt):
+                return full[len(prompt) :]
         if SENTINEL not in full:
             raise ValueError("the chat template does not render the assistant's content")
         before, after = full.split(SENTINEL, 1)
