@@ -678,9 +678,10 @@ class EvaluationConfig(Section):
     num_speculative_tokens: int = Field(
         3, ge=1, description="Draft tokens proposed per target step (k).", json_schema_extra=content("evaluation")
     )
-    prompt_sets: list[Literal["humaneval", "holdout"]] = Field(
+    prompt_sets: list[Literal["humaneval", "holdout", "multiturn", "toolcall"]] = Field(
         default_factory=lambda: ["humaneval", "holdout"],
-        description="Held-out prompt sets to measure on.",
+        description="Held-out prompt sets to measure on: humaneval, holdout (the held-out share of the samples), "
+        "multiturn and toolcall (its conversations of two user turns or more, its rows with tools).",
         json_schema_extra=content("evaluation"),
     )
     max_prompts: int | None = Field(

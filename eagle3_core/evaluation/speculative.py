@@ -26,6 +26,7 @@ from eagle3_core.draft.model import DraftKVCache, Eagle3Draft
 from eagle3_core.evaluation.departures import judge_token_difference
 from eagle3_core.evaluation.prompts import EvalPrompt
 from eagle3_core.evaluation.stats import AcceptanceStats
+from eagle3_core.sampling.chat_tokens import template_messages
 
 
 @dataclass
@@ -90,10 +91,13 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of the chat prompt as vLLM's chat endpoint builds them: the template rendered as text
-    with the generation prompt, tokenised without adding special tokens again."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def render_prompt(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of the chat prompt as vLLM's chat endpoint builds them: the messages and tools as vLLM hands
+    them to the template, rendered as text with the generation prompt, tokenised without adding special
+    tokens again."""
+    text = tokenizer.apply_chat_template(
+        template_messages(messages), tools=tools or None, add_generation_prompt=True, tokenize=False
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -258,7 +262,7 @@ def measure_prompt_set(
     tokens = identical = 0
     differences: list[dict[str, Any]] = []
     for index, prompt in enumerate(prompts):
-        prompt_ids = render_prompt(tokenizer, prompt.chat_messages())
+        prompt_ids = render_prompt(tokenizer, prompt.chat_messages(), prompt.tools())
         result = speculative_generate(model, draft, prompt_ids, max_new_tokens, k, eos)
         stats = stats.merge(result.stats)
         for who, value in result.timer.seconds.items():
