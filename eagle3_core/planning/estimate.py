@@ -16,6 +16,7 @@ from eagle3_core.config import ServerConfig, TrainingConfig
 from eagle3_core.devices import DeviceFacts
 from eagle3_core.extraction.storage import bytes_per_token
 from eagle3_core.model_size import ModelSize
+from eagle3_core.sampling.conversations import Turns, turn_positions
 from eagle3_core.sampling.prompts import Prompt
 
 CHARS_PER_TOKEN = 4
@@ -44,18 +45,23 @@ def prompt_tokens(prompt: Prompt) -> float:
     )
 
 
-def expected_tokens(prompts: list[Prompt], responses_per_prompt: int, max_tokens: int) -> TokenEstimate:
-    """The rows sampling makes of `prompts` and their expected tokens (see the module docstring)."""
+def expected_tokens(
+    prompts: list[Prompt], responses_per_prompt: int, max_tokens: int, turns: Turns = "last"
+) -> TokenEstimate:
+    """The rows sampling makes of `prompts` and their expected tokens (see the module docstring); under
+    `sampling.turns: all` a row holds an answer for each of its conversation's assistant turns."""
     samples = len(prompts) * responses_per_prompt
     if not samples:
         return TokenEstimate(0, 0.0, "no prompts")
     response = min(max_tokens, TYPICAL_RESPONSE_TOKENS)
     mean_prompt = sum(prompt_tokens(p) for p in prompts) / len(prompts)
+    answers = sum(len(turn_positions(p.messages, turns)) for p in prompts) / len(prompts)
+    each = f" x {answers:.2f} answered turns (sampling.turns all)" if turns == "all" else ""
     source = (
         f"expected: {mean_prompt:.0f} prompt tokens (characters / {CHARS_PER_TOKEN}) + {response:,} response "
-        f"tokens (sampling.max_tokens {max_tokens:,}, at most {TYPICAL_RESPONSE_TOKENS:,})"
+        f"tokens (sampling.max_tokens {max_tokens:,}, at most {TYPICAL_RESPONSE_TOKENS:,}){each}"
     )
-    return TokenEstimate(samples, mean_prompt + response, source)
+    return TokenEstimate(samples, mean_prompt + response * answers, source)
 
 
 def share(estimate: TokenEstimate, samples: int, source: str) -> TokenEstimate:

@@ -216,7 +216,7 @@ def plan_run(config: PipelineConfig, facts: DeviceFacts, prompts: list[Prompt] |
     prompts = load_prompts(sc.prompt_files, sc.max_prompts) if prompts is None else prompts
     done = find_done(config, prompts)
     size = size_of(config, done)
-    rows = expected_tokens(prompts, sc.responses_per_prompt, sc.max_tokens)
+    rows = expected_tokens(prompts, sc.responses_per_prompt, sc.max_tokens, sc.turns)
     if done.samples is not None and done.samples.ok:
         rows = TokenEstimate(
             rows.samples, done.samples.tokens / done.samples.ok, f"the SampleSet in {done.samples.root}"

@@ -142,3 +142,15 @@ def test_the_rendered_plan_has_a_section_a_phase(demo):
         "## evaluation",
     ]
     assert not demo.run_dir.exists()
+
+
+def test_sampling_all_turns_expects_an_answer_per_assistant_turn():
+    from eagle3_core.planning.estimate import expected_tokens
+    from eagle3_core.sampling.prompts import Prompt
+
+    chat = [{"role": "user", "content": "a" * 40}, {"role": "assistant", "content": "b" * 40},
+            {"role": "user", "content": "c" * 40}]  # fmt: skip
+    last = expected_tokens([Prompt("p", chat)], 1, 64)
+    every = expected_tokens([Prompt("p", chat)], 1, 64, "all")
+    assert every.tokens_per_sample - last.tokens_per_sample == 64
+    assert every.source.endswith("x 2.00 answered turns (sampling.turns all)") and "turns" not in last.source
