@@ -219,7 +219,9 @@ class Sampler:
             return f"prompt has {length} tokens; server.max_model_len is {self.max_model_len}", 0
         return None, min(self.config.max_tokens, room)
 
-    async def ask(self, client: httpx.AsyncClient, model: str, work: Work, history: list[Message], turn: int):
+    async def ask(
+        self, client: httpx.AsyncClient, model: str, work: Work, history: list[Message], turn: int
+    ) -> TurnResult:
         """The target's answer to one turn of `work`'s conversation."""
         reason, max_tokens = self.skip_reason(history, work.prompt.tools)
         if reason:
