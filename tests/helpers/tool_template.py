@@ -1,6 +1,7 @@
 """SmolLM2 with a chat template that renders tools and tool calls (SmolLM2's own ignores both): the tools as
-JSON in the system turn, an assistant's tool calls as one JSON object each, `{"name": ..., "parameters": ...}`,
-the form vLLM's `llama3_json` tool-call parser reads back. The weights are SmolLM2's (linked, not copied)."""
+JSON in the system turn, an assistant's tool calls as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`,
+the form vLLM's `hermes` tool-call parser reads back (it needs no special token in the vocabulary, unlike
+`llama3_json`'s `<|python_tag|>`). The weights are SmolLM2's (linked, not copied)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from eagle3_core.artifacts import TargetModel
 from eagle3_core.target.prepare import describe_folder
 
 TOOLS_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nYou may call these tools, answering with a JSON object "
-    '{"name": ..., "parameters": ...}:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n'
+    "{%- if tools %}<|im_start|>system\nYou may call these tools, answering with <tool_call>"
+    '{"name": ..., "arguments": ...}</tool_call>:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}'
+    "<|im_end|>\n"
     "{%- endif %}"
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
     "{% if message.tool_calls %}{% for call in message.tool_calls %}"
-    '{"name": "{{ call.function.name }}", "parameters": {{ call.function.arguments | tojson }}}'
+    '<tool_call>{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}</tool_call>'
     "{% endfor %}{% else %}{{ message.content }}{% endif %}<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

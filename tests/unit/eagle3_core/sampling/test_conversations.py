@@ -154,7 +154,7 @@ def test_tools_reach_the_engine_and_calls_are_trained_as_the_template_renders_th
 ):
     target = tool_target(smollm2_target, tmp_path / "tool-target")
     config = config_for(tmp_path, [TOOL_ROW], turns="all").model_copy(deep=True)
-    config.server.tool_call_parser = "llama3_json"
+    config.server.tool_call_parser = "hermes"
     sample_set = sampling.sample_prompts(config, target, RunEvents(config.run_dir), server=turn_server)
     first, second = TurnServer.bodies
     assert first["tools"] == [WEATHER_TOOL] and "tool_choice" not in first
@@ -166,7 +166,9 @@ def test_tools_reach_the_engine_and_calls_are_trained_as_the_template_renders_th
     text = tokens.tokenizer.decode(row["input_ids"])
     assert '"name": "get_weather"' in text and "You may call these tools" in text
     trained = tokens.tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m])
-    assert trained.startswith('{"name": "get_weather", "parameters": {"city": "Oslo"}}<|im_end|>\n')
+    assert trained.startswith(
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call><|im_end|>\n'
+    )
 
 
 def test_tools_without_a_parser_are_sent_with_tool_choice_none(tmp_path, turn_server, smollm2_target):
