@@ -27,6 +27,7 @@ Tools = list[dict[str, Any]] | None
 class TokenView:
     input_ids: list[int]
     loss_mask: list[int]
+    trained_turns: int = 1  # answers under the loss: fewer than answered where the template rewrote history
 
     @property
     def prompt_length(self) -> int:
@@ -147,18 +148,18 @@ class ChatTokenizer:
         extends the text so far, only the new part is added (masked 0) and then the answer (masked 1). A
         template that rewrites earlier turns (e.g. drops their reasoning) breaks that: the view restarts from
         that turn's prompt, so every token is one the target was served."""
-        text, ids, mask = "", [], []
+        text, ids, mask, trained = "", [], [], 0
         for history, answer in turns:
             prompt, reply = self.answer_text(history, answer, tools)
             if prompt.startswith(text):
                 new = self.encode(prompt[len(text) :])
             else:
-                ids, mask, new = [], [], self.encode(prompt)
+                ids, mask, new, trained = [], [], self.encode(prompt), 0
             reply_ids = self.encode(reply)
             ids += new + reply_ids
             mask += [0] * len(new) + [1] * len(reply_ids)
-            text = prompt + reply
-        return TokenView(input_ids=ids, loss_mask=mask)
+            text, trained = prompt + reply, trained + 1
+        return TokenView(input_ids=ids, loss_mask=mask, trained_turns=trained)
 
     def token_view(
         self, messages: list[dict[str, Any]], reasoning: str, response: str, tools: Tools = None

@@ -210,6 +210,7 @@ class Sampler:
         self.turn_log = turn_log
         self.turns_done = turn_log.load() if turn_log else {}
         self.parses_tools = parses_tools
+        self.rewritten = 0  # conversations whose chat template rewrote earlier turns (`conversation_view`)
 
     def skip_reason(self, history: list[Message], tools: Tools = None) -> tuple[str | None, int]:
         """(reason to skip or None, tokens left for the completion)."""
@@ -262,6 +263,7 @@ class Sampler:
             status = "skipped" if result.error is None else "error"
             return {**row, "status": status, "error": result.error or result.skip}
         view = self.tokens.conversation_view(result.turns, prompt.tools)
+        self.rewritten += view.trained_turns < len(result.turns)
         history = result.turns[-1][0]
         return {
             **row,
@@ -420,6 +422,14 @@ def sample_with(
             reason=str(exc),
         )
         raise
+    if sampler.rewritten:
+        events.record(
+            PHASE,
+            DECISION,
+            f"{sampler.rewritten} conversations: the chat template renders earlier turns differently from how they "
+            "were served (e.g. drops their reasoning); their rows train on the answers from that turn on",
+            rewritten=sampler.rewritten,
+        )
     seconds = time.monotonic() - counts.meter.start
     events.record(
         PHASE,

@@ -183,3 +183,32 @@ def test_json_columns_round_trip(tmp_path, turn_server, smollm2_target):
     sample_set = sampling.sample_prompts(config, smollm2_target, RunEvents(config.run_dir), server=turn_server)
     (row,) = iter_rows(sample_set)
     assert row["tools"] == [WEATHER_TOOL] and row["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+class ThinkingServer(TurnServer):
+    """TurnServer whose answers come with parsed reasoning."""
+
+    def reply(self, code: int, body: dict) -> None:
+        if "choices" in body:
+            body["choices"][0]["message"]["reasoning_content"] = "pondering"
+        super().reply(code, body)
+
+
+def test_a_template_that_drops_earlier_reasoning_trains_the_turns_as_served_and_says_so(tmp_path, smollm2_target):
+    """SmolLM2's template renders an earlier answer without its reasoning: the last turn was served that
+    history, so the row is that turn's prompt and answer, and one decision line says why."""
+    ThinkingServer.bodies, ThinkingServer.dead = [], set()
+    two_turns = {"id": "chat", "messages": THREE_TURNS["messages"][:3]}
+    with serving(ThinkingServer) as url:
+        config = config_for(tmp_path, [two_turns], turns="all")
+        events = RunEvents(config.run_dir)
+        sample_set = sampling.sample_prompts(config, smollm2_target, events, server=ExternalServer(f"{url}/v1"))
+    assert ThinkingServer.bodies[1]["messages"][1]["reasoning"] == "pondering"
+    (row,) = iter_rows(sample_set)
+    tokens = ChatTokenizer(smollm2_target.root)
+    trained = tokens.tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m])
+    assert trained == "<think>pondering</think>A2(second|A1(first|))<|im_end|>\n"
+    assert row["input_ids"][: row["loss_mask"].index(1)] == tokens.prompt_ids(row["messages"])
+    assert any(
+        e["message"].startswith("1 conversations: the chat template renders earlier turns") for e in events.read()
+    )
