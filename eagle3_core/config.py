@@ -202,6 +202,12 @@ class ServerConfig(Section):
         description="vLLM --reasoning-parser, e.g. kimi_k2 or deepseek_r1; None splits <think> tags.",
         json_schema_extra=roles(sampling=CONTENT, extraction=OPERATIONAL, evaluation=OPERATIONAL),
     )
+    tool_call_parser: str | None = Field(
+        None,
+        description="vLLM --tool-call-parser (with --enable-auto-tool-choice), e.g. kimi_k2 or hermes: the target's "
+        "tool calls come back parsed; None sends prompts' tools with tool_choice none (calls stay in the text).",
+        json_schema_extra=added(sampling=CONTENT, extraction=OPERATIONAL, evaluation=OPERATIONAL),
+    )
     extra_args: list[str] = Field(
         default_factory=list,
         description="Further vLLM command-line arguments.",
@@ -265,7 +271,8 @@ class ServerConfig(Section):
 class SamplingConfig(Section):
     prompt_files: list[str] = Field(
         default_factory=lambda: ["demo"],
-        description="JSONL or Parquet prompt files (`messages` or `prompt`); `demo` is the bundled set.",
+        description="Prompt sources: JSONL, JSON or Parquet files, `datasets` folders or Hub dataset ids, rows of "
+        "`messages`, `conversations` (ShareGPT) or `prompt`, optional `tools`; `demo` is the bundled set.",
         json_schema_extra=roles(sampling=INPUT),
     )
     max_prompts: int | None = Field(
@@ -302,6 +309,12 @@ class SamplingConfig(Section):
         1,
         ge=1,
         description="Responses sampled per prompt, each its own row; more than 1 needs temperature > 0.",
+        json_schema_extra=added_content("sampling"),
+    )
+    turns: Literal["last", "all"] = Field(
+        "last",
+        description="last: the target answers a conversation's last assistant turn, earlier ones kept as given; all: "
+        "it answers every assistant turn in order, each answer the history of the next, the loss on all of them.",
         json_schema_extra=added_content("sampling"),
     )
     request_timeout_s: float = Field(
@@ -665,9 +678,10 @@ class EvaluationConfig(Section):
     num_speculative_tokens: int = Field(
         3, ge=1, description="Draft tokens proposed per target step (k).", json_schema_extra=content("evaluation")
     )
-    prompt_sets: list[Literal["humaneval", "holdout"]] = Field(
+    prompt_sets: list[Literal["humaneval", "holdout", "multiturn", "toolcall"]] = Field(
         default_factory=lambda: ["humaneval", "holdout"],
-        description="Held-out prompt sets to measure on.",
+        description="Held-out prompt sets to measure on: humaneval, holdout (the held-out share of the samples), "
+        "multiturn and toolcall (its conversations of two user turns or more, its rows with tools).",
         json_schema_extra=content("evaluation"),
     )
     max_prompts: int | None = Field(

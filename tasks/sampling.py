@@ -3,16 +3,14 @@ is generated), and on the prompt files' contents (a file edited in place is new 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import task
 
 from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
-from eagle3_core.files import sha256_file
 from eagle3_core.phases import SAMPLING
-from eagle3_core.sampling.prompts import DEMO, demo_prompts_path
+from eagle3_core.sampling.prompt_sources import source_digest
+from eagle3_core.sampling.prompts import demo_prompts_path
 from eagle3_core.serving.shared import SharedServer
 from tasks.hosts import run_on_hosts
 from tasks.policy import PhaseCachePolicy, phase_task_options, run_gpu_phase
@@ -21,13 +19,9 @@ PHASE = SAMPLING.name
 
 
 def prompt_files_content(config: PipelineConfig) -> dict[str, str]:
-    """Prompt file name -> sha256 (`demo` is the bundled set); a missing file keys as such (the phase then
-    fails with the error naming it)."""
-    digests = {}
-    for name in config.sampling.prompt_files:
-        path = demo_prompts_path() if name == DEMO else Path(name).expanduser()
-        digests[name] = sha256_file(path) if path.is_file() else "missing"
-    return digests
+    """Prompt source -> the digest of its data files (`demo` is the bundled set; a folder or Hub dataset, all
+    of its files); a missing source keys as such (the phase then fails with the error naming it)."""
+    return {name: source_digest(name, demo_prompts_path()) for name in config.sampling.prompt_files}
 
 
 POLICY = PhaseCachePolicy(spec=SAMPLING, extra=prompt_files_content)

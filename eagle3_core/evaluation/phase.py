@@ -53,7 +53,7 @@ def collect_prompts(config: PipelineConfig, sample_set: SampleSet | None) -> dic
         if name == "humaneval":
             sets[name] = humaneval_prompts(evaluation.max_prompts)
         elif sample_set is not None:
-            sets[name] = holdout_prompts(sample_set, fraction, evaluation.max_prompts)
+            sets[name] = holdout_prompts(sample_set, fraction, evaluation.max_prompts, name)
     sets = {name: prompts for name, prompts in sets.items() if prompts}
     if not sets:
         raise ValueError(f"no held-out prompts: prompt_sets={evaluation.prompt_sets}, holdout_fraction={fraction}")

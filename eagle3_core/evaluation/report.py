@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eagle3_core.evaluation.segments import SEGMENTS
 from eagle3_core.evaluation.served import ENGINE_LABELS
 from eagle3_core.evaluation.stats import AcceptanceStats
 from eagle3_core.files import atomic_path, write_text_atomic
@@ -164,6 +165,18 @@ def methods(summary: dict[str, Any]) -> str:
     return f"{a}; {b}."
 
 
+def segment_lines(sets: dict[str, Any]) -> list[str]:
+    """τ of (a) per prompt set and per segment of the answers (`segments.SEGMENTS`), where any was measured."""
+    if not any(a.get("segments") for a in sets.values()):
+        return []
+    lines = ["", "## τ by segment, (a)", "", "A step counts in the segment of the text emitted before it.", "",
+             "| prompt set | " + " | ".join(SEGMENTS) + " |", "|---|" + "---|" * len(SEGMENTS)]  # fmt: skip
+    for name, a in sets.items():
+        cells = [fmt((a.get("segments") or {}).get(s, {}).get("tau")) for s in SEGMENTS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown_report(summary: dict[str, Any]) -> str:
     """The report as markdown, from the evaluation summary (see `evaluate_draft`)."""
     hf, k, names = summary["transformers"], summary["k"], set_names(summary)
@@ -212,6 +225,7 @@ def markdown_report(summary: dict[str, Any]) -> str:
             "|---|" + "---|" * hf["k"],
         ]
         lines += [f"| {n} | " + " | ".join(fmt(t) for t in a["tau_by_k"]) + " |" for n, a in hf["sets"].items()]
+    lines += segment_lines(hf.get("sets") or {})
     lines += [
         "",
         "## Time",

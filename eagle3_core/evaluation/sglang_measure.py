@@ -120,7 +120,11 @@ def measure_sglang(measurement: Measurement) -> dict[str, Any]:
     m, config = measurement, measurement.config
     evaluation, k = config.evaluation, config.evaluation.num_speculative_tokens
     tokenizer = ChatTokenizer(m.target_dir)
-    ids = {(p.prompt_set, p.id): tokenizer.prompt_ids(p.chat_messages()) for ps in m.prompt_sets.values() for p in ps}
+    ids = {
+        (p.prompt_set, p.id): tokenizer.prompt_ids(p.chat_messages(), p.tools())
+        for ps in m.prompt_sets.values()
+        for p in ps
+    }
     launch = sglang_launch(evaluation)
 
     def serve(with_draft: bool) -> SglangServer:

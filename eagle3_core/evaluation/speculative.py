@@ -25,7 +25,9 @@ import torch
 from eagle3_core.draft.model import DraftKVCache, Eagle3Draft
 from eagle3_core.evaluation.departures import judge_token_difference
 from eagle3_core.evaluation.prompts import EvalPrompt
+from eagle3_core.evaluation.segments import merge_segments, segmenter, segments_from_json, segments_json
 from eagle3_core.evaluation.stats import AcceptanceStats
+from eagle3_core.sampling.chat_tokens import template_messages
 
 
 @dataclass
@@ -53,6 +55,7 @@ class DecodeResult:
     tokens: list[int]
     stats: AcceptanceStats
     timer: StepTimer
+    segments: dict[str, AcceptanceStats] = field(default_factory=dict)  # the steps by `segments.SEGMENTS`
 
 
 @contextmanager
@@ -90,10 +93,13 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of the chat prompt as vLLM's chat endpoint builds them: the template rendered as text
-    with the generation prompt, tokenised without adding special tokens again."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def render_prompt(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of the chat prompt as vLLM's chat endpoint builds them: the messages and tools as vLLM hands
+    them to the template, rendered as text with the generation prompt, tokenised without adding special
+    tokens again."""
+    text = tokenizer.apply_chat_template(
+        template_messages(messages), tools=tools or None, add_generation_prompt=True, tokenize=False
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -170,13 +176,16 @@ def speculative_generate(
     k: int,
     eos_ids: set[int],
     propose: Proposer = propose_chain,
+    segment: Callable[[list[int]], str] | None = None,
 ) -> DecodeResult:
     """Greedy chain speculative decoding of one prompt; returns at most `max_new_tokens` target ids,
-    ending at the first end-of-sequence token, and the acceptance counts of every verification step.
-    The draft must be on the target's device; `propose` makes its k tokens a step."""
+    ending at the first end-of-sequence token, and the acceptance counts of every verification step (and
+    by `segment` of the tokens emitted before it, where given). The draft must be on the target's device;
+    `propose` makes its k tokens a step."""
     layer_ids = list(draft.config.aux_layer_ids)
     timer = StepTimer(model.device)
     stats = AcceptanceStats(k)
+    segments: dict[str, AcceptanceStats] = {}
     draft_cache = DraftKVCache()
     with timer.measure("target"):
         greedy, aux, cache = target_forward(model, prompt_ids, None, layer_ids, last_only=True)
@@ -193,11 +202,13 @@ def speculative_generate(
         greedy = greedy_t.tolist()  # greedy[i]: the target's choice after tokens[-1], proposal[:i]
         accepted = accepted_prefix(proposal, greedy)
         stats.add_step(accepted)
+        if segment is not None:
+            segments.setdefault(segment(tokens), AcceptanceStats(k)).add_step(accepted)
         emitted = [*proposal[:accepted], greedy[accepted]]
         truncate_cache(cache, verified_length + 1 + accepted)
         new_aux, next_ids = aux[: accepted + 1], emitted
         tokens.extend(emitted)
-    return DecodeResult(cut_at_eos(tokens[:max_new_tokens], eos_ids), stats, timer)
+    return DecodeResult(cut_at_eos(tokens[:max_new_tokens], eos_ids), stats, timer, segments)
 
 
 def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
@@ -254,13 +265,17 @@ def measure_prompt_set(
     checks, bound = lossless
     eos = eos_token_ids(model, tokenizer)
     stats = AcceptanceStats(k)
+    segments: dict[str, AcceptanceStats] = {}
     seconds = {"draft": 0.0, "target": 0.0}
     tokens = identical = 0
     differences: list[dict[str, Any]] = []
     for index, prompt in enumerate(prompts):
-        prompt_ids = render_prompt(tokenizer, prompt.chat_messages())
-        result = speculative_generate(model, draft, prompt_ids, max_new_tokens, k, eos)
+        prompt_ids = render_prompt(tokenizer, prompt.chat_messages(), prompt.tools())
+        result = speculative_generate(
+            model, draft, prompt_ids, max_new_tokens, k, eos, segment=segmenter(tokenizer, prompt_ids)
+        )
         stats = stats.merge(result.stats)
+        segments = merge_segments(segments, result.segments)
         for who, value in result.timer.seconds.items():
             seconds[who] += value
         tokens += len(result.tokens)
@@ -271,7 +286,7 @@ def measure_prompt_set(
                 differences.append(judge_token_difference(prompt.id, result.tokens, plain, gaps, bound))
         progress(index + 1)
     summary = timing_summary(stats, seconds, tokens, len(prompts), f"{identical}/{min(checks, len(prompts))}")
-    return summary | lossless_verdict(differences)
+    return summary | lossless_verdict(differences) | {"segments": segments_json(segments)}
 
 
 def lossless_verdict(differences: list[dict[str, Any]]) -> dict[str, Any]:
@@ -312,4 +327,8 @@ def pool_prompt_sets(sets: dict[str, dict[str, Any]]) -> dict[str, Any]:
     pooled = timing_summary(
         stats, seconds, sum(r["tokens"] for r in results), sum(r["prompts"] for r in results), identical
     )
-    return pooled | lossless_verdict([d for r in results for d in r.get("differences", [])])
+    segments: dict[str, AcceptanceStats] = {}
+    for result in results:
+        segments = merge_segments(segments, segments_from_json(result.get("segments") or {}))
+    differences = lossless_verdict([d for r in results for d in r.get("differences", [])])
+    return pooled | differences | {"segments": segments_json(segments)}

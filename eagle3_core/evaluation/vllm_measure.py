@@ -139,6 +139,7 @@ class OpenAIClient:
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "seed": 0,
+            **({"tools": prompt.tools(), "tool_choice": "none"} if prompt.tools() else {}),
             **extra,
         }
         response = self.http.post("/v1/chat/completions", json=body)

@@ -18,6 +18,7 @@ from eagle3_core.extraction.reader import pack
 from eagle3_core.extraction.storage import bytes_per_token
 from eagle3_core.model_size import ModelSize
 from eagle3_core.sampling.chat_tokens import ChatTokenizer
+from eagle3_core.sampling.conversations import Turns, turn_positions
 from eagle3_core.sampling.prompts import Prompt
 from eagle3_core.training.batches import epoch_steps, run_steps
 
@@ -59,10 +60,15 @@ def templated_tokens(prompts: list[Prompt], chat: ChatTokenizer) -> float:
 
 
 def expected_tokens(
-    prompts: list[Prompt], responses_per_prompt: int, max_tokens: int, chat: ChatTokenizer | None = None
+    prompts: list[Prompt],
+    responses_per_prompt: int,
+    max_tokens: int,
+    chat: ChatTokenizer | None = None,
+    turns: Turns = "last",
 ) -> TokenEstimate:
     """The rows sampling makes of `prompts` and their expected tokens (see the module docstring); with the
-    target's tokenizer at hand (`chat`), the prompts' tokens are counted, not estimated."""
+    target's tokenizer at hand (`chat`), the prompts' tokens are counted, not estimated; under
+    `sampling.turns: all` a row holds an answer for each of its conversation's assistant turns."""
     samples = len(prompts) * responses_per_prompt
     if not samples:
         return TokenEstimate(0, 0.0, "no prompts")
@@ -73,11 +79,13 @@ def expected_tokens(
     else:
         mean_prompt = sum(prompt_tokens(p) for p in prompts) / len(prompts)
         how = f"characters / {CHARS_PER_TOKEN}"
+    answers = sum(len(turn_positions(p.messages, turns)) for p in prompts) / len(prompts)
+    each = f" x {answers:.2f} answered turns (sampling.turns all)" if turns == "all" else ""
     source = (
         f"expected: {mean_prompt:.0f} prompt tokens ({how}) + {response:,} response "
-        f"tokens (sampling.max_tokens {max_tokens:,}, at most {TYPICAL_RESPONSE_TOKENS:,})"
+        f"tokens (sampling.max_tokens {max_tokens:,}, at most {TYPICAL_RESPONSE_TOKENS:,}){each}"
     )
-    return TokenEstimate(samples, mean_prompt + response, source)
+    return TokenEstimate(samples, mean_prompt + response * answers, source)
 
 
 def share(estimate: TokenEstimate, samples: int, source: str) -> TokenEstimate:

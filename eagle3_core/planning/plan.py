@@ -235,7 +235,7 @@ def plan_run(config: PipelineConfig, facts: DeviceFacts, prompts: list[Prompt] |
     config = run.config
     done = find_done(config, prompts, target)
     size = shape.size if shape else None
-    rows = expected_tokens(prompts, sc.responses_per_prompt, sc.max_tokens, chat_of(target))
+    rows = expected_tokens(prompts, sc.responses_per_prompt, sc.max_tokens, chat_of(target), sc.turns)
     if done.samples is not None and done.samples.ok:
         rows = TokenEstimate(
             rows.samples, done.samples.tokens / done.samples.ok, f"the SampleSet in {done.samples.root}"

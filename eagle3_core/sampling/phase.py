@@ -28,13 +28,16 @@ import httpx
 from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig, SamplingConfig
 from eagle3_core.events import DECISION, RunEvents
+from eagle3_core.files import sha256_json
 from eagle3_core.hosts import host_slice, in_slice
 from eagle3_core.phases import SAMPLING
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
-from eagle3_core.sampling.chat_tokens import ChatTokenizer, split_reasoning
+from eagle3_core.sampling.chat_tokens import ChatTokenizer, Tools, split_reasoning
+from eagle3_core.sampling.conversations import TurnLog, TurnResult, replay, turns_decision
 from eagle3_core.sampling.preflight import preflight_sampling
+from eagle3_core.sampling.prompt_formats import Message
 from eagle3_core.sampling.prompts import Prompt, load_prompts
-from eagle3_core.sampling.store import PartWriter, SampleStore
+from eagle3_core.sampling.store import PartWriter, SampleStore, row_key
 from eagle3_core.sampling.table import sample_id
 from eagle3_core.serving.engine import (
     ENGINE_EXIT_WAIT_S,
@@ -49,6 +52,7 @@ from eagle3_core.serving.shared import SharedServer, running_server, starts_engi
 
 PHASE = SAMPLING.name
 RESPONSE_SEED_STRIDE = 2**32  # seeds of response r > 0 lie above those of the first responses of 2**32 prompts
+TURN_SEED_STRIDE = 2**48  # turn t of a conversation: above every response's seed of its first turn
 
 
 class SamplingAborted(EngineDied):
@@ -126,20 +130,37 @@ async def post_with_retry(
     raise RequestFailed(f"{reason} (after {retries} retries)", unreachable=unreachable)
 
 
-def request_body(model: str, prompt: Prompt, config: SamplingConfig, seed: int, max_tokens: int) -> dict[str, Any]:
-    return {
+def request_body(
+    model: str,
+    prompt: Prompt,
+    config: SamplingConfig,
+    seed: int,
+    max_tokens: int,
+    history: list[Message] | None = None,
+    parses_tools: bool = False,
+) -> dict[str, Any]:
+    """The chat request for `history` (default: the prompt's messages). The prompt's tools go with it; an
+    engine without a tool-call parser gets tool_choice none (vLLM refuses `auto` there), so the target's calls
+    stay in its text."""
+    body = {
         "model": model,
-        "messages": prompt.messages,
+        "messages": prompt.messages if history is None else history,
         "max_tokens": max_tokens,
         "temperature": config.temperature,
         "top_p": config.top_p,
         "seed": seed,
     }
+    if prompt.tools:
+        body["tools"] = prompt.tools
+        if not parses_tools:
+            body["tool_choice"] = "none"
+    return body
 
 
 def parse_completion(answer: dict[str, Any]) -> dict[str, Any]:
     """The row fields of a chat completion. Reasoning comes from the server's reasoning parser
-    (`reasoning_content`, or `reasoning` in newer vLLM), else from `<think>` tags in the content."""
+    (`reasoning_content`, or `reasoning` in newer vLLM), else from `<think>` tags in the content; tool calls
+    as the server's tool-call parser returned them."""
     choice = answer["choices"][0]
     message = choice.get("message") or {}
     content = message.get("content") or ""
@@ -150,6 +171,7 @@ def parse_completion(answer: dict[str, Any]) -> dict[str, Any]:
     return {
         "reasoning": reasoning,
         "response": content,
+        "tool_calls": list(message.get("tool_calls") or []),
         "finish_reason": choice.get("finish_reason") or "",
         "prompt_tokens": usage.get("prompt_tokens", 0),
         "completion_tokens": usage.get("completion_tokens", 0),
@@ -164,8 +186,9 @@ async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
 
 
 class Sampler:
-    """Turns prompts into rows against one server: skips prompts too long for the model, samples the
-    rest with bounded concurrency and renders each answer into its token view."""
+    """Turns prompts into rows against one server: answers each conversation's turns (`sampling.turns`,
+    `conversations.replay`) with bounded concurrency, skips a conversation whose first turn is too long for the
+    model, and renders the answers into the row's token view."""
 
     def __init__(
         self,
@@ -175,6 +198,8 @@ class Sampler:
         tokens: ChatTokenizer,
         max_model_len: int,
         engine_exit: EngineExit,
+        turn_log: TurnLog | None = None,
+        parses_tools: bool = False,
     ):
         self.base_url = base_url
         self.api_key = api_key
@@ -182,14 +207,39 @@ class Sampler:
         self.tokens = tokens
         self.max_model_len = max_model_len
         self.engine_exit = engine_exit
+        self.turn_log = turn_log
+        self.turns_done = turn_log.load() if turn_log else {}
+        self.parses_tools = parses_tools
+        self.rewritten = 0  # conversations whose chat template rewrote earlier turns (`conversation_view`)
 
-    def skip_reason(self, prompt: Prompt) -> tuple[str | None, int]:
+    def skip_reason(self, history: list[Message], tools: Tools = None) -> tuple[str | None, int]:
         """(reason to skip or None, tokens left for the completion)."""
-        length = len(self.tokens.prompt_ids(prompt.messages))
+        length = len(self.tokens.prompt_ids(history, tools))
         room = self.max_model_len - length
         if room < 1:
             return f"prompt has {length} tokens; server.max_model_len is {self.max_model_len}", 0
         return None, min(self.config.max_tokens, room)
+
+    async def ask(
+        self, client: httpx.AsyncClient, model: str, work: Work, history: list[Message], turn: int
+    ) -> TurnResult:
+        """The target's answer to one turn of `work`'s conversation."""
+        reason, max_tokens = self.skip_reason(history, work.prompt.tools)
+        if reason:
+            return TurnResult(skip=reason)
+        seed = response_seed(self.config.seed, work.index, work.response) + TURN_SEED_STRIDE * turn
+        body = request_body(model, work.prompt, self.config, seed, max_tokens, history, self.parses_tools)
+        url = f"{self.base_url}/v1/chat/completions"
+        try:
+            answer = await post_with_retry(
+                client, url, body, self.config.max_retries, self.config.retry_backoff_s, self.engine_exit
+            )
+            return TurnResult(fields=parse_completion(answer))
+        except RequestFailed as exc:
+            await self.abort_if_server_gone(exc)
+            return TurnResult(error=str(exc))
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            return TurnResult(error=f"malformed answer: {type(exc).__name__}: {exc}")
 
     async def sample_one(self, client: httpx.AsyncClient, model: str, work: Work) -> dict[str, Any]:
         prompt = work.prompt
@@ -198,29 +248,32 @@ class Sampler:
             "prompt_id": prompt.id,
             "response_index": work.response,
             "messages": prompt.messages,
+            "tools": prompt.tools,
         }
-        reason, max_tokens = self.skip_reason(prompt)
-        if reason:
-            return {**row, "status": "skipped", "error": reason}
-        seed = response_seed(self.config.seed, work.index, work.response)
-        body = request_body(model, prompt, self.config, seed, max_tokens)
-        try:
-            answer = await post_with_retry(
-                client,
-                f"{self.base_url}/v1/chat/completions",
-                body,
-                self.config.max_retries,
-                self.config.retry_backoff_s,
-                self.engine_exit,
-            )
-            fields = parse_completion(answer)
-        except RequestFailed as exc:
-            await self.abort_if_server_gone(exc)
-            return {**row, "status": "error", "error": str(exc)}
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            return {**row, "status": "error", "error": f"malformed answer: {type(exc).__name__}: {exc}"}
-        view = self.tokens.token_view(prompt.messages, fields["reasoning"], fields["response"])
-        return {**row, **fields, "status": "ok", "input_ids": view.input_ids, "loss_mask": view.loss_mask}
+
+        def record(turn: int, fields: dict[str, Any]) -> None:
+            if self.turn_log is not None and self.config.turns == "all":
+                self.turn_log.record(work.sample_id, turn, fields)
+
+        done = self.turns_done.get(work.sample_id, [])
+        result = await replay(
+            prompt.messages, self.config.turns, done, lambda h, t: self.ask(client, model, work, h, t), record
+        )
+        if result.skip is not None or result.error is not None:
+            status = "skipped" if result.error is None else "error"
+            return {**row, "status": status, "error": result.error or result.skip}
+        view = self.tokens.conversation_view(result.turns, prompt.tools)
+        self.rewritten += view.trained_turns < len(result.turns)
+        history = result.turns[-1][0]
+        return {
+            **row,
+            **result.fields,
+            "messages": history,
+            "turns": len(result.turns),
+            "status": "ok",
+            "input_ids": view.input_ids,
+            "loss_mask": view.loss_mask,
+        }
 
     async def abort_if_server_gone(self, failure: RequestFailed) -> None:
         """Raise `SamplingAborted` when a request failed for good because the engine died (waiting a moment
@@ -309,14 +362,18 @@ def sample_prompts(
         preflight_sampling(config, target, store.out_dir, len(work), starts_engine(server), events)
         writer = store.writer(config.sampling.rows_per_part)
         counts = RowProgress(progress, len(wanted) - len(todo), len(wanted))
+        turn_log = TurnLog(store.out_dir, sha256_json(row_key(store.key)))
         try:
             if server is None:
                 with open_server(config.server, target.root, config.run_dir, events, progress, PHASE, part) as own:
-                    sample_with(own, config, target, work, writer, counts, events)
+                    sample_with(own, config, target, work, writer, counts, events, turn_log)
             else:
-                sample_with(running_server(server, PHASE, progress), config, target, work, writer, counts, events)
+                running = running_server(server, PHASE, progress)
+                sample_with(running, config, target, work, writer, counts, events, turn_log)
         finally:
             writer.flush()
+        if not counts.errors:
+            turn_log.clear()
     return store.finish(target, prompts)
 
 
@@ -328,8 +385,10 @@ def sample_with(
     writer: PartWriter,
     counts: RowProgress,
     events: RunEvents,
+    turn_log: TurnLog | None = None,
 ) -> None:
-    """Sample `work` on a running server, each row to `writer` and `counts` as it completes."""
+    """Sample `work` on a running server, each row to `writer` and `counts` as it completes; the answers of
+    unfinished conversations are resumed from, and recorded in, `turn_log`."""
 
     def record(row: dict[str, Any]) -> None:
         writer.add(row)
@@ -343,7 +402,11 @@ def sample_with(
         ChatTokenizer(target.root),
         config.server.max_model_len,
         server.exit_report,
+        turn_log,
+        bool(config.server.tool_call_parser),
     )
+    if config.sampling.turns == "all":
+        events.record(PHASE, DECISION, turns_decision(work, sampler.turns_done), turns="all")
     counts.meter = RateMeter()  # tokens/s of sampling alone, not of the engine start before it
     try:
         asyncio.run(sampler.run(work, record))
@@ -359,6 +422,14 @@ def sample_with(
             reason=str(exc),
         )
         raise
+    if sampler.rewritten:
+        events.record(
+            PHASE,
+            DECISION,
+            f"{sampler.rewritten} conversations: the chat template renders earlier turns differently from how they "
+            "were served (e.g. drops their reasoning); their rows train on the answers from that turn on",
+            rewritten=sampler.rewritten,
+        )
     seconds = time.monotonic() - counts.meter.start
     events.record(
         PHASE,

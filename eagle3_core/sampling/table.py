@@ -3,8 +3,11 @@ of each prompt), written atomically.
 
 Sampling writes the rows; extraction, vocab mapping and evaluation read them. A row's `id` is its sample id
 (`sample_id`: the prompt's id for its first response), `prompt_id` and `response_index` say which prompt and
-which of its responses it is. `input_ids` is the whole conversation rendered with the target's chat template;
-`loss_mask` is 1 on assistant tokens (reasoning included), the only tokens a draft is trained to predict.
+which of its responses it is. `messages` is the history the last answer was asked with (its earlier
+assistant turns the target's own under `sampling.turns: all`), `reasoning`, `response` and `tool_calls` that
+answer, `tools` the tools offered, `turns` the assistant turns the target answered. `input_ids` is the whole
+conversation rendered with the target's chat template; `loss_mask` is 1 on the tokens of the target's answers
+(reasoning and tool calls included), the only tokens a draft is trained to predict.
 """
 
 from __future__ import annotations
@@ -38,8 +41,12 @@ SCHEMA = pa.schema(
         ("loss_mask", pa.list_(pa.int8())),
         ("prompt_id", pa.string()),
         ("response_index", pa.int32()),
+        ("tools", pa.string()),
+        ("tool_calls", pa.string()),
+        ("turns", pa.int32()),
     ]
 )
+JSON_COLUMNS = ("messages", "tools", "tool_calls")  # lists of dicts, stored as JSON text
 DEFAULTS: dict[str, Any] = {
     "error": "",
     "reasoning": "",
@@ -50,6 +57,9 @@ DEFAULTS: dict[str, Any] = {
     "input_ids": [],
     "loss_mask": [],
     "response_index": 0,
+    "tools": [],
+    "tool_calls": [],
+    "turns": 1,
 }
 
 
@@ -61,12 +71,13 @@ def sample_id(prompt_id: str, response: int) -> str:
 
 def normalise_row(row: dict[str, Any]) -> dict[str, Any]:
     """Fill defaults (a row without `prompt_id` is the first response of the prompt of its id) and
-    serialise `messages` (a list of chat messages) as JSON."""
+    serialise the JSON columns (`messages`, `tools`, `tool_calls`: lists of dicts) as JSON."""
     if row.get("status") not in STATUSES:
         raise ValueError(f"row {row.get('id')!r}: status must be one of {STATUSES}, got {row.get('status')!r}")
     out = {**DEFAULTS, "prompt_id": row.get("id"), **row}
-    if not isinstance(out["messages"], str):
-        out["messages"] = json.dumps(out["messages"], ensure_ascii=False)
+    for name in JSON_COLUMNS:
+        if not isinstance(out[name], str):
+            out[name] = json.dumps(out[name], ensure_ascii=False)
     if len(out["input_ids"]) != len(out["loss_mask"]):
         raise ValueError(f"row {out['id']!r}: input_ids and loss_mask differ in length")
     return {name: out[name] for name in SCHEMA.names}
@@ -82,10 +93,13 @@ def write_part(rows: list[dict[str, Any]], path: Path) -> Path:
 
 def read_part(path: Path) -> list[dict[str, Any]]:
     """The rows of one part; a part written before rows recorded their prompt (no `prompt_id` column) holds
-    one response per prompt: its rows read as response 0 of the prompt of their id."""
+    one response per prompt: its rows read as response 0 of the prompt of their id; one written before
+    tools and turns were recorded, rows of one turn without tools."""
     rows = pq.read_table(path, schema=SCHEMA).to_pylist()
     for row in rows:
-        row["messages"] = json.loads(row["messages"])
+        for name in JSON_COLUMNS:
+            row[name] = json.loads(row[name]) if row[name] else []
+        row["turns"] = 1 if row["turns"] is None else row["turns"]
         if row["prompt_id"] is None:
             row["prompt_id"], row["response_index"] = row["id"], 0
     return rows

@@ -142,6 +142,8 @@ def build_command(
         command.append("--enforce-eager")
     if config.reasoning_parser:
         command += ["--reasoning-parser", config.reasoning_parser]
+    if config.tool_call_parser:
+        command += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
     return command + list(config.extra_args) + list(extra_args or [])
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 
-def repo_folder(cache: Path, repo_id: str) -> Path:
-    """`models--org--name`, huggingface_hub's folder of a model repo."""
-    return Path(cache) / ("models--" + repo_id.replace("/", "--"))
+def repo_folder(cache: Path, repo_id: str, repo_type: str = "model") -> Path:
+    """`models--org--name` (`datasets--org--name`), huggingface_hub's folder of a model (dataset) repo."""
+    return Path(cache) / (f"{repo_type}s--" + repo_id.replace("/", "--"))
 
 
 def commit_sha(repo_id: str, parent: str | None) -> str:
@@ -22,10 +22,10 @@ def commit_sha(repo_id: str, parent: str | None) -> str:
     return hashlib.sha1(f"{repo_id}:{parent}".encode()).hexdigest()
 
 
-def add_commit(cache: Path, repo_id: str, source: Path, revision: str = "main") -> str:
+def add_commit(cache: Path, repo_id: str, source: Path, revision: str = "main", repo_type: str = "model") -> str:
     """Write `source`'s files as a new commit of `repo_id` and point `refs/<revision>` at it; returns its sha.
     The parent is the commit the ref names now, so each call makes a new sha (same files: same blobs)."""
-    repo = repo_folder(cache, repo_id)
+    repo = repo_folder(cache, repo_id, repo_type)
     ref = repo / "refs" / revision
     parent = ref.read_text() if ref.is_file() else None
     commit = commit_sha(repo_id, parent)

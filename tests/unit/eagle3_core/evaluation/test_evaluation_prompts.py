@@ -100,3 +100,31 @@ def test_every_response_of_a_held_out_prompt_is_held_out_and_the_prompt_listed_o
     rows = [{"id": sample_id("q7", r), "prompt_id": "q7"} for r in range(3)]
     assert {row_heldout(row, FRACTION) for row in rows} == {is_heldout("q7", FRACTION)}
     assert check_no_overlap(heldout, training) == len(expected)
+
+
+def test_multiturn_and_toolcall_sets_are_held_out_rows_asked_with_their_history_and_tools(tmp_path: Path) -> None:
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
+    shapes = {
+        "single": ([{"role": "user", "content": "one?"}], []),
+        "multi": ([{"role": "user", "content": "a?"}, {"role": "assistant", "content": "A"},
+                   {"role": "user", "content": "b?"}], []),
+        "tools": ([{"role": "user", "content": "find x"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                   {"role": "tool", "content": "42", "tool_call_id": "c1"}], [tool]),
+    }  # fmt: skip
+    rows = [
+        {"id": f"{shape}-{i}", "status": "ok", "messages": messages, "tools": tools, "response": "r",
+         "input_ids": [1], "loss_mask": [1]}
+        for shape, (messages, tools) in shapes.items() for i in range(40)
+    ]  # fmt: skip
+    part = write_part(rows, tmp_path / "part-00000.parquet")
+    sample_set = SampleSet(root=str(tmp_path), files=record_files(tmp_path, [part]), prompts=len(rows), ok=len(rows))
+    every = holdout_prompts(sample_set, FRACTION)
+    multi = holdout_prompts(sample_set, FRACTION, prompt_set="multiturn")
+    tools = holdout_prompts(sample_set, FRACTION, prompt_set="toolcall")
+    assert multi and tools and {p.id for p in multi} | {p.id for p in tools} < {p.id for p in every}
+    assert all(p.id.startswith("multi-") and p.prompt_set == "multiturn" for p in multi)
+    assert all(p.id.startswith("tools-") for p in tools)
+    asked = tools[0].chat_messages()
+    assert asked[1]["tool_calls"] == [call] and asked[2]["tool_call_id"] == "c1" and tools[0].tools() == [tool]
+    assert multi[0].tools() == [] and [m["content"] for m in multi[0].chat_messages()] == ["a?", "A", "b?"]

@@ -21,7 +21,8 @@ from eagle3_core.artifacts import ArtifactInvalid, SampleSet, record_files
 from eagle3_core.config import ConfigError, PipelineConfig, dump_config, load_config
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.sampling.phase import sample_prompts
-from eagle3_core.sampling.prompts import ROLES, PromptFileError, load_prompts
+from eagle3_core.sampling.prompt_formats import ROLES
+from eagle3_core.sampling.prompts import PromptFileError, load_prompts
 from eagle3_core.sampling.store import SampleStore
 from eagle3_core.sampling.table import write_part
 
@@ -55,7 +56,9 @@ message_with_bad_content = st.fixed_dictionaries(
 )
 bad_records = st.one_of(
     json_values.filter(lambda v: not isinstance(v, dict)),  # not an object
-    st.dictionaries(st.text(max_size=8).filter(lambda k: k not in ("prompt", "messages")), json_values, max_size=3),
+    st.dictionaries(
+        st.text(max_size=8).filter(lambda k: k not in ("prompt", "messages", "conversations")), json_values, max_size=3
+    ),
     st.fixed_dictionaries({"prompt": st.text(alphabet=" \t", max_size=3)}),  # blank prompt
     st.fixed_dictionaries({"prompt": json_values.filter(lambda v: not isinstance(v, str))}),
     st.fixed_dictionaries({"messages": st.just([])}),
@@ -119,7 +122,7 @@ def _is_valid_messages_json(raw: str) -> bool:
         isinstance(messages, list)
         and bool(messages)
         and all(isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages)
-        and messages[-1]["role"] != "assistant"
+        and messages[0]["role"] != "assistant"
     )
 
 

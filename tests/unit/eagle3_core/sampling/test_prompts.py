@@ -53,7 +53,9 @@ def test_parquet_with_messages_column(tmp_path):
         ('{"prompt": "ok"', "Expecting"),
         ('{"text": "no prompt field"}', "needs `messages`"),
         ('{"messages": [{"role": "robot", "content": "x"}]}', "role must be one of"),
-        ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}', "assistant"),
+        ('{"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]}', "starts with"),
+        ('{"conversations": [{"from": "alien", "value": "q"}]}', "from must be one of"),
+        ('{"prompt": "q", "tools": [{"type": "function"}]}', r"tools\[0\]"),
         ('["a list"]', "expected a JSON object"),
     ],
 )
@@ -101,3 +103,13 @@ def test_demo_set_is_large_diverse_and_unique():
     assert any(len(p.messages) > 1 for p in prompts)
     keywords = ("function", "Solve", "Explain", "poem", "step by step", "Compare")
     assert all(any(k in t for t in texts) for k in keywords)
+
+
+def test_demo_set_has_multi_turn_and_tool_call_rows_among_the_demos_prompts():
+    """configs/demo.yaml samples the first 128: the CPU flow meets conversations of three user turns and tools."""
+    prompts = load_prompts([DEMO], max_prompts=128)
+    assert sum(sum(m["role"] == "user" for m in p.messages) >= 3 for p in prompts) >= 2
+    with_tools = [p for p in prompts if p.tools]
+    assert len(with_tools) >= 2
+    assert any(m.get("tool_calls") for p in with_tools for m in p.messages)
+    assert any(m["role"] == "tool" for p in with_tools for m in p.messages)

