@@ -136,7 +136,7 @@ class ServerConfig(Section):
     url: str | None = Field(
         None,
         description="Base URL of an external OpenAI-compatible server.",
-        json_schema_extra=roles(sampling=CONTENT, extraction=OPERATIONAL, evaluation=OPERATIONAL),
+        json_schema_extra=roles(sampling=OPERATIONAL, extraction=OPERATIONAL, evaluation=OPERATIONAL),
     )
     api_key_env: str | None = Field(
         None,
@@ -204,8 +204,9 @@ class ServerConfig(Section):
     )
     extra_args: list[str] = Field(
         default_factory=list,
-        description="Further vLLM command-line arguments.",
-        json_schema_extra=roles(sampling=OPERATIONAL, extraction=OPERATIONAL, evaluation=VLLM),
+        description="Further vLLM command-line arguments; those that may change completions or states (any but "
+        "the speed flags of `server_defaults.SPEED_FLAGS`) are keyed.",
+        json_schema_extra=added(sampling=CONTENT, extraction=CONTENT, evaluation=VLLM),
     )
     env: dict[str, str] = Field(
         default_factory=dict,

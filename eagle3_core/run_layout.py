@@ -127,6 +127,11 @@ class RunLayout:
         beside this one (two workers on one host), and is that slice's to stop."""
         return sorted(p for p in self.server.glob("*.pid") if slice_named(p.stem) == self.part)
 
+    def kept(self, folder: Path) -> Path:
+        """Where results of other settings are kept for `folder` (a folder under the run's root):
+        `<run_dir>/kept/<folder's path under the root>/`, one sub-folder per key (`eagle3_core.kept`)."""
+        return self.root / "kept" / Path(folder).relative_to(self.root)
+
     @property
     def prefect_results(self) -> Path:
         """Prefect's persisted task results, unless `orchestration.result_storage` names another folder."""

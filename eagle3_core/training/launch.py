@@ -33,7 +33,6 @@ resumes from the last checkpoint).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -48,7 +47,7 @@ from pathlib import Path
 
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap
 from eagle3_core.config import ConfigError, PipelineConfig, dump_config
-from eagle3_core.events import DECISION, RunEvents
+from eagle3_core.events import DECISION, RunEvents, parsed_lines
 from eagle3_core.files import sha256_json, write_text_atomic
 from eagle3_core.hosts import host_slice
 from eagle3_core.preflight import visible_gpus
@@ -230,8 +229,7 @@ class TorchrunLaunch:
 
 def relay(progress_tail: LogTail, events_tail: LogTail, progress: ProgressCallback, log_line: LogCallback) -> None:
     """Hand rank 0's new progress updates to `progress` and the run's new events to `log_line`."""
-    for line in events_tail.read_lines():
-        event = json.loads(line)
+    for event in parsed_lines("\n".join(events_tail.read_lines())):
         log_line(f"[{event['phase']}] {event['message']}")
     for line in progress_tail.read_lines():
         progress(ProgressUpdate.model_validate_json(line))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import shutil
 from pathlib import Path
 
 import torch
@@ -19,7 +18,8 @@ from eagle3_core.draft.export import export_draft, load_exported, sglang_ignores
 from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_core.draft.shape import trained_draft_config, turned_off_for_sglang
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
-from eagle3_core.files import UnreadableFile, folder_identity, sha256_json, write_text_atomic
+from eagle3_core.files import UnreadableFile, folder_identity, remove_dead_temps, sha256_json, write_text_atomic
+from eagle3_core.kept import bring_back, changed_line, entries, set_aside
 from eagle3_core.phases import TRAINING, phase_key
 from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.release.card import write_model_card
@@ -65,15 +65,41 @@ def reused_checkpoint(out_dir: Path, cfg: dict, upstream: dict, events: RunEvent
     return cached
 
 
-def prepare_state_dir(state_dir: Path, key: str, events: RunEvents, group: Group) -> None:
-    """Keep a resumable state only if it was made with this key; a stale one is removed, not resumed."""
+def stored_key(key_path: Path) -> dict | None:
+    """The key file of a state folder ({"key", and since they were recorded "config", "upstream"}), else None."""
+    try:
+        stored = json.loads(key_path.read_text())
+    except (OSError, ValueError):
+        return None
+    return stored if isinstance(stored, dict) and isinstance(stored.get("key"), str) else None
+
+
+def prepare_state_dir(state_dir: Path, key: dict, events: RunEvents, group: Group, kept_root: Path) -> None:
+    """Resume only a state made with this key (`key`: its "key" digest, its "config" and "upstream"). The states
+    of another key are set aside under `kept_root/<key id>` (`eagle3_core.kept`), not removed, and those of this
+    key come back from there; temporary files of a killed writer are removed."""
     if group.is_main:
         key_path = state_dir / KEY_FILE
-        if key_path.exists() and json.loads(key_path.read_text())["key"] != key:
-            events.record(PHASE, DECISION, "discarding training state made from other inputs or settings")
-            shutil.rmtree(state_dir)
+        stored = stored_key(key_path)
+        if stored is not None and stored["key"] != key["key"] and entries(state_dir):
+            aside = kept_root / stored["key"][:16]
+            moved = set_aside(state_dir, aside, KEY_FILE)
+            old = {name: value for name, value in stored.items() if name != "key"} or None
+            new = {name: value for name, value in key.items() if name != "key"}
+            events.record(
+                PHASE,
+                DECISION,
+                f"{changed_line(old, new)}: the training states of the other settings ({moved} files) kept in {aside}",
+                kept=str(aside),
+            )
+        if (back := kept_root / key["key"][:16]).is_dir():
+            moved = bring_back(back, state_dir, KEY_FILE)
+            events.record(
+                PHASE, DECISION, f"training states of these settings brought back from {back} ({moved} files)"
+            )
         state_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(key_path, json.dumps({"key": key}))
+        remove_dead_temps(state_dir)
+        write_text_atomic(key_path, json.dumps(key))
     barrier(group)
 
 
@@ -179,7 +205,8 @@ def train_ranks(
             device=str(group.device),
         )
     state_dir = draft_dir.state
-    prepare_state_dir(state_dir, sha256_json({"config": cfg, "upstream": upstream}), events, group)
+    state_key = {"key": sha256_json({"config": cfg, "upstream": upstream}), "config": cfg, "upstream": upstream}
+    prepare_state_dir(state_dir, state_key, events, group, RunLayout.of(config).kept(state_dir))
     objective = TTTObjective(
         draft, tc.ttt_steps, tc.step_weight, tc.attention, tc.mask_out_of_vocab, tc.target_temperature
     )
