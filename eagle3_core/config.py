@@ -360,7 +360,11 @@ class ExtractionConfig(Section):
         json_schema_extra=operational("extraction"),
     )
     samples_per_shard: int = Field(
-        64, ge=1, description="Samples written per safetensors shard.", json_schema_extra=content("extraction")
+        64,
+        ge=1,
+        description="Samples written per safetensors shard of a new hidden-states folder; a folder keeps the "
+        "layout it was started with (a file layout, never a reason to extract again).",
+        json_schema_extra=operational("extraction"),
     )
     batch_size: int = Field(
         8, ge=1, description="Samples per forward pass (hf backend).", json_schema_extra=operational("extraction")

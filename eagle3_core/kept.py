@@ -10,6 +10,7 @@ moves it first (the kept folder's remaining files are brought back by the next r
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +70,37 @@ def changed_fields(old: Any, new: Any, prefix: str = "") -> list[str]:
 
 
 def changed_line(old: Any, new: Any) -> str:
-    """`a.b, c.d changed` (at most four named), or `settings changed` where the old key does not say."""
-    fields = changed_fields(old, new) if isinstance(old, dict) else []
+    """`a.b, c.d changed` (at most four named; a digest under "key" is not a field), or `settings changed`
+    where the old key does not say."""
+    fields = [f for f in changed_fields(old, new) if f != "key"] if isinstance(old, dict) else []
     if not fields:
         return "settings changed"
     shown = ", ".join(fields[:4]) + (f" and {len(fields) - 4} more" if len(fields) > 4 else "")
     return f"{shown} changed"
+
+
+def switch_key(
+    folder: Path,
+    kept_root: Path,
+    key_file: str,
+    stored: Any,
+    key: Any,
+    name: Callable[[Any], str],
+    what: str,
+) -> list[str]:
+    """Make `folder` the folder of `key`: when it holds files of another key (`stored`, its key file read;
+    None: unknown, left alone), they are set aside under `kept_root/<name(stored)>`; files of `key` kept there
+    come back. Returns the DECISION lines to record (the first names the fields that changed)."""
+    lines = []
+    if stored is not None and name(stored) != name(key) and entries(folder):
+        aside = kept_root / name(stored)
+        moved = set_aside(folder, aside, key_file)
+        lines.append(
+            f"{changed_line(stored, key)}: the {moved} {what} files of the other settings kept in {aside}, "
+            "back when those settings are asked for again"
+        )
+    back = kept_root / name(key)
+    if back.is_dir():
+        moved = bring_back(back, folder, key_file)
+        lines.append(f"{what} of these settings brought back from {back} ({moved} files)")
+    return lines

@@ -35,7 +35,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
 from eagle3_core.files import remove_dead_temps, sha256_json, write_text_atomic
 from eagle3_core.hosts import check_each_once, every_slice
-from eagle3_core.kept import bring_back, changed_line, entries, key_id, set_aside
+from eagle3_core.kept import key_id, switch_key
 from eagle3_core.phases import SAMPLING, phase_key
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.prompts import Prompt, load_prompts
@@ -220,22 +220,12 @@ class SampleStore:
     def take_key(self) -> None:
         """Make the folder this key's: rows of another key are set aside under `kept_root` (one DECISION line
         naming the fields that changed), rows of this key kept there come back. Files only move."""
-        out_dir, phase, events, mine = self.out_dir, self.phase, self.events, row_key(self.key)
         stored = self.stored_key()
-        if stored is not None and not key_matches(stored, mine, events, phase) and entries(out_dir):
-            aside = self.kept_root / key_id(without_retired(stored))
-            moved = set_aside(out_dir, aside, KEY_FILE)
-            events.record(
-                phase,
-                DECISION,
-                f"{changed_line(without_retired(stored), mine)}: the {moved} sample files of the other settings "
-                f"kept in {aside}, back when they are asked for again",
-                kept=str(aside),
-            )
-        back = self.kept_root / key_id(mine)
-        if back.is_dir():
-            moved = bring_back(back, out_dir, KEY_FILE)
-            events.record(phase, DECISION, f"samples of these settings brought back from {back} ({moved} files)")
+        mine = row_key(self.key)
+        if stored is not None and key_matches(stored, mine, self.events, self.phase):
+            stored = mine  # a legacy form of this key: the same rows
+        for line in switch_key(self.out_dir, self.kept_root, KEY_FILE, without_retired(stored), mine, key_id, "sample"):
+            self.events.record(self.phase, DECISION, line)
 
     def cached(self, prompts: list[Prompt] | None = None) -> SampleSet | None:
         """The finished SampleSet of the same key with no error rows, if its files are intact (and, given

@@ -19,7 +19,7 @@ from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_core.draft.shape import trained_draft_config, turned_off_for_sglang
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.files import UnreadableFile, folder_identity, remove_dead_temps, sha256_json, write_text_atomic
-from eagle3_core.kept import bring_back, changed_line, entries, set_aside
+from eagle3_core.kept import switch_key
 from eagle3_core.phases import TRAINING, phase_key
 from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.release.card import write_model_card
@@ -81,26 +81,17 @@ def prepare_state_dir(state_dir: Path, key: dict, events: RunEvents, group: Grou
     if group.is_main:
         key_path = state_dir / KEY_FILE
         stored = stored_key(key_path)
-        if stored is not None and stored["key"] != key["key"] and entries(state_dir):
-            aside = kept_root / stored["key"][:16]
-            moved = set_aside(state_dir, aside, KEY_FILE)
-            old = {name: value for name, value in stored.items() if name != "key"} or None
-            new = {name: value for name, value in key.items() if name != "key"}
-            events.record(
-                PHASE,
-                DECISION,
-                f"{changed_line(old, new)}: the training states of the other settings ({moved} files) kept in {aside}",
-                kept=str(aside),
-            )
-        if (back := kept_root / key["key"][:16]).is_dir():
-            moved = bring_back(back, state_dir, KEY_FILE)
-            events.record(
-                PHASE, DECISION, f"training states of these settings brought back from {back} ({moved} files)"
-            )
+        for line in switch_key(state_dir, kept_root, KEY_FILE, stored, key, state_key_id, "training state"):
+            events.record(PHASE, DECISION, line)
         state_dir.mkdir(parents=True, exist_ok=True)
         remove_dead_temps(state_dir)
         write_text_atomic(key_path, json.dumps(key))
     barrier(group)
+
+
+def state_key_id(key: dict) -> str:
+    """The kept folder name of a state key: its digest's first 16 hex digits."""
+    return key["key"][:16]
 
 
 VOCAB_TENSORS = ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight")
