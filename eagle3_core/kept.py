@@ -70,9 +70,10 @@ def changed_fields(old: Any, new: Any, prefix: str = "") -> list[str]:
 
 
 def changed_line(old: Any, new: Any) -> str:
-    """`a.b, c.d changed` (at most four named; a digest under "key" is not a field), or `settings changed`
-    where the old key does not say."""
-    fields = [f for f in changed_fields(old, new) if f != "key"] if isinstance(old, dict) else []
+    """`a.b, c.d changed` (at most four named, as the configuration names them: a key's "config." prefix left
+    out, its "key" digest not a field), or `settings changed` where the old key does not say."""
+    changed = changed_fields(old, new) if isinstance(old, dict) else []
+    fields = [f.removeprefix("config.") for f in changed if f != "key"]
     if not fields:
         return "settings changed"
     shown = ", ".join(fields[:4]) + (f" and {len(fields) - 4} more" if len(fields) > 4 else "")

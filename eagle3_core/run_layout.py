@@ -37,8 +37,9 @@ class DraftLayout:
 
 @dataclass(frozen=True)
 class PromotedLayout:
-    """The nightly flow's promoted drafter, `<run_dir>/current`, or its staging and retired copies: the
-    draft folder (without training states) and `current.json`, which says why it is current."""
+    """The nightly flow's promoted drafter, `<run_dir>/current` (a symlink to one of its `versions`), or one
+    of those copies: the draft folder (without training states) and `current.json`, which says why it is
+    current."""
 
     root: Path
 
@@ -50,9 +51,14 @@ class PromotedLayout:
     def record(self) -> Path:
         return self.root / "current.json"
 
-    def beside(self, suffix: str) -> PromotedLayout:
-        """A copy next to this one: `current.new` while it is staged, `current.old` while it is retired."""
-        return PromotedLayout(self.root.with_name(self.root.name + suffix))
+    @property
+    def versions(self) -> Path:
+        """`current.d/`: the promoted copies, each complete before `current` (a symlink) is pointed at it."""
+        return self.root.with_name(self.root.name + ".d")
+
+    def version(self, name: str) -> PromotedLayout:
+        """One promoted copy under `versions`."""
+        return PromotedLayout(self.versions / name)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The nightly flow's promotion rules, on real files (no Prefect run, no engine): the better drafter
-becomes `current` as a copied folder, and the next run warm-starts from its export."""
+becomes `current` (a symlink to a complete copy), and the next run warm-starts from its export; a crash
+between any two steps of a promotion leaves a `current`."""
 
 from __future__ import annotations
 
@@ -49,4 +50,5 @@ def test_promotion_keeps_the_better_drafter_and_warm_starts_from_it(tmp_path: Pa
     promote(config, second, report(config.run_dir, 1.6))
     assert load_current(config).acceptance_length == 1.6
     assert (RunLayout.of(config).current.draft.export / "model.safetensors").read_bytes() == b"second"
-    assert sorted(p.name for p in config.run_dir.iterdir()) == ["current", "draft"]
+    assert sorted(p.name for p in config.run_dir.iterdir()) == ["current", "current.d", "draft"]
+    assert len(list((config.run_dir / "current.d").iterdir())) == 2, "the new copy and the one it replaced"
