@@ -213,3 +213,112 @@ def test_an_extraction_setting_changed_and_back_finds_the_first_states(tmp_path,
     assert back.exit_code == 0 and back.exception is None, back.output
     assert events.count(WEIGHT_LOAD, "extraction") == 1 + row.requests_for_change, "extracted again"
     assert HiddenStateSet.load(run_dir / "hidden_states").digest == original.digest
+
+
+def train_settings(run_dir: Path, target: Path) -> list[str]:
+    return [*extract_settings(run_dir, target), "vocab.draft_vocab_size=300", "training.max_steps=4",
+            "training.ttt_steps=2", "training.max_length=96", "training.checkpoint_every=2",
+            "training.holdout_fraction=0.3", "training.device=cpu"]  # fmt: skip
+
+
+def test_a_training_setting_changed_and_back_resumes_the_first_states(tmp_path, tiny_llama, smollm2_target):
+    """The states of the first setting are set aside, not removed, by the change; back, training resumes at
+    its last step (nothing trained again) and exports the same weights."""
+    run_dir = tmp_path / "run"
+    build_sample_set(run_dir / "samples", smollm2_target.root_path, num_ok=6)
+    base = train_settings(run_dir, tiny_llama.root_path)
+    for command in ("extract", "vocab", "train"):
+        result = invoke(command, base)
+        assert result.exit_code == 0, result.output
+    weights = run_dir / "draft" / "export" / "model.safetensors"
+    first_weights, before = weights.read_bytes(), files_of(run_dir / "draft" / "state")
+
+    changed = invoke("train", [*base, "training.lr=0.001"])
+    assert changed.exit_code == 0 and changed.exception is None, changed.output
+    [line] = [line for line in decisions(run_dir, "training") if "kept in" in line]
+    assert line.startswith("training.lr changed"), line
+    assert files_of(run_dir / "draft" / "state", run_dir / "kept") >= before, "a training state was lost"
+
+    back = invoke("train", base)
+    assert back.exit_code == 0 and back.exception is None, back.output
+    resumed = [e for e in RunEvents(run_dir).read() if e["event"] == "resume" and e["phase"] == "training"]
+    assert resumed and resumed[-1]["step"] == 4, "trained again from the first step"
+    assert weights.read_bytes() == first_weights
+
+
+@dataclass(frozen=True)
+class Damage:
+    """One row of part 3: a fault left in a resumable folder, and what the resume decides."""
+
+    name: str
+    damage: str  # "truncate", "garbage" or "latest"
+    decision: str
+
+
+DAMAGES = [
+    Damage("newest state torn by a full disk", "truncate", "unreadable: resuming from step-00000006.pt"),
+    Damage("newest state overwritten", "garbage", "unreadable: resuming from step-00000006.pt"),
+    Damage("latest.json unreadable", "latest", ""),
+]
+
+
+@pytest.mark.parametrize("row", DAMAGES, ids=lambda row: row.name)
+def test_a_damaged_newest_training_state_falls_back_to_the_one_before(tmp_path, row):
+    """A run to step 8 keeps the states of steps 6 and 8; with the newest damaged, a re-run resumes from the
+    intact one with one decision line and ends bit for bit where the undamaged run ended."""
+    import torch
+
+    from eagle3_core.config import TrainingConfig
+    from eagle3_core.events import RESUME
+    from eagle3_core.training.loop import run_training
+    from tests.helpers.training_data import CPU, synthetic_data, tiny_objective
+
+    config = TrainingConfig(max_steps=8, checkpoint_every=3, lr=3e-3, batch_size=2)
+    data, events, state_dir = synthetic_data(6), RunEvents(tmp_path), tmp_path / "state"
+    objective, head = tiny_objective()
+    run_training(objective, head, data, None, config, state_dir, CPU, events)
+    straight = {k: v.clone() for k, v in objective.state_dict().items()}
+    newest = state_dir / "step-00000008.pt"
+    if row.damage == "truncate":
+        newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    elif row.damage == "garbage":
+        newest.write_bytes(b"not a state")
+    else:
+        (state_dir / "latest.json").write_text('{"file": ')
+
+    objective, head = tiny_objective()
+    steps, _ = run_training(objective, head, data, None, config, state_dir, CPU, events)
+    assert steps == 8 and events.count(RESUME, "training") == 1
+    assert all(torch.equal(tensor, straight[name]) for name, tensor in objective.state_dict().items())
+    if row.decision:
+        [line] = [line for line in decisions(tmp_path, "training") if "unreadable" in line]
+        assert row.decision in line and "step-00000008.pt" in line, line
+
+
+def test_temporary_files_of_dead_writers_are_removed_at_resume_and_a_live_writers_kept(tmp_path, urls, smollm2_target):
+    import subprocess
+
+    gone = subprocess.Popen(["true"])  # a pid that has ended
+    gone.wait()
+    run_dir, prompts = tmp_path / "run", tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(PROMPTS)))
+    base = sampling_settings(run_dir, prompts, smollm2_target.root_path, urls[0])
+    assert invoke("sample", base).exit_code == 0
+    samples = run_dir / "samples"
+    killed = samples / f".part-00009.parquet.tmp-{gone.pid}"
+    live = samples / ".part-00010.parquet.tmp-1"  # pid 1 runs as long as the machine does
+    killed.write_bytes(b"half a part")
+    live.write_bytes(b"being written")
+    assert invoke("sample", [*base, "sampling.max_prompts=5"]).exit_code == 0
+    assert not killed.exists() and live.exists()
+
+
+def test_a_torn_events_line_is_skipped_and_the_next_line_starts_on_its_own(tmp_path):
+    """A short write on a full disk leaves half a line without its newline: every later read still works and
+    the next decision is read whole."""
+    events = RunEvents(tmp_path)
+    events.record("sampling", DECISION, "first")
+    with events.path.open("a") as log:
+        log.write('{"ts": 1, "phase": "sampling", "event": "decision", "mess')
+    events.record("sampling", DECISION, "after the tear")
+    assert [e["message"] for e in events.read()] == ["first", "after the tear"]
