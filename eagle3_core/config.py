@@ -634,8 +634,9 @@ class TrainingConfig(Section):
     processes: Literal["auto"] | PositiveInt = Field(
         "auto",
         description="Processes the flow's training starts under torchrun: auto = one per visible CUDA device (1 on "
-        "a CPU); N > 1 on a CPU = N gloo workers.",
-        json_schema_extra=operational("training"),
+        "a CPU); N > 1 on a CPU = N gloo workers. Training is keyed by the processes it resolves to (with "
+        "`training.batch_size` per process, they make the global batch), not by this value.",
+        json_schema_extra=added(training=INPUT),
     )
 
     @model_validator(mode="after")
@@ -850,8 +851,9 @@ class OrchestrationConfig(Section):
     hosts: PositiveInt = Field(
         1,
         description="Hosts a run spreads sampling, extraction and training over (child flow runs on the gpu work "
-        "pool, one slice each, sharing run_dir); 1: everything in this flow run.",
-        json_schema_extra=operational(EVERY_PHASE),
+        "pool, one slice each, sharing run_dir); 1: everything in this flow run. Training keys the processes of "
+        "every host together (the global batch), not this value.",
+        json_schema_extra=added(**{EVERY_PHASE: OPERATIONAL, "training": INPUT}),
     )
     host: int | None = Field(
         None,

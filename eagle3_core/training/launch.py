@@ -282,7 +282,7 @@ def launch_training(
 ) -> DraftCheckpoint:
     """Train in `processes` ranks under torchrun (see the module docstring) and return the checkpoint."""
     layout = RunLayout.of(config)
-    cfg, upstream = phase_config(config), upstream_of(hidden_states, vocab_map, target)
+    cfg, upstream = phase_config(config, training_world(config)), upstream_of(hidden_states, vocab_map, target)
     if (cached := reused_checkpoint(layout.draft.root, cfg, upstream, events)) is not None:
         return cached
     launch_dir = layout.sliced(layout.draft.launch)  # a node's own, when training spans hosts
@@ -320,10 +320,18 @@ def launched_checkpoint(
     """The checkpoint a launch that ended well left in `<run_dir>/draft`; `RankFailed` unless it records
     these inputs and settings."""
     root = RunLayout.of(config).draft.root
-    checkpoint = cached_checkpoint(root, phase_config(config), upstream_of(hidden_states, vocab_map, target))
+    world = training_world(config)
+    checkpoint = cached_checkpoint(root, phase_config(config, world), upstream_of(hidden_states, vocab_map, target))
     if checkpoint is None:
         raise RankFailed(f"torchrun ended well, yet {root} holds no checkpoint of the task's inputs and settings")
     return checkpoint
+
+
+def training_world(config: PipelineConfig) -> int:
+    """The processes that train, on every host together: `training.processes` as this host resolves it, times
+    the hosts of a training spread over hosts (each a node of as many)."""
+    tc = config.training
+    return resolve_processes(tc.processes, tc.device, visible_gpus()) * config.orchestration.hosts
 
 
 def train_draft_on_host(

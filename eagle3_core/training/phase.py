@@ -6,6 +6,7 @@ vLLM/SGLang-loadable folder to `<run_dir>/draft/export/` with the resumable stat
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from pathlib import Path
 
@@ -35,10 +36,18 @@ from eagle3_core.vocab import load_vocab_tensors
 KEY_FILE = "key.json"
 
 
-def phase_config(config: PipelineConfig) -> dict:
+def phase_config(config: PipelineConfig, world: int = 1) -> dict:
     """The training fields marked content (not where it runs, how it is sharded, how often it saves or
-    whether it is compiled) and the files of the warm-start checkpoint, if any."""
-    return {**phase_key(config, TRAINING), "warm_start": folder_identity(config.training.warm_start)}
+    whether it is compiled), the files of the warm-start checkpoint, if any, and the processes that train
+    (`world`: `training.batch_size` is per process, so their number makes the global batch and the schedule;
+    left out for one, the key of every run before it was keyed)."""
+    cfg = {**phase_key(config, TRAINING), "warm_start": folder_identity(config.training.warm_start)}
+    return cfg if world == 1 else {**cfg, "world": world}
+
+
+def rank_world() -> int:
+    """The processes training together, as torchrun tells each of them (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def upstream_of(hidden_states: HiddenStateSet, vocab_map: VocabMap, target: TargetModel) -> dict[str, str]:
@@ -148,7 +157,7 @@ def train_draft(
     progress: ProgressCallback = ignore_progress,
 ) -> DraftCheckpoint:
     """Train (or resume, or reuse) the draft and return its checkpoint manifest."""
-    cfg, upstream = phase_config(config), upstream_of(hidden_states, vocab_map, target)
+    cfg, upstream = phase_config(config, rank_world()), upstream_of(hidden_states, vocab_map, target)
     if (cached := reused_checkpoint(RunLayout.of(config).draft.root, cfg, upstream, events)) is not None:
         return cached
     with process_group(config.training.device) as group:  # left once the draft and its optimizer are freed
