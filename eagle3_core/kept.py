@@ -72,7 +72,8 @@ def changed_fields(old: Any, new: Any, prefix: str = "") -> list[str]:
 def changed_line(old: Any, new: Any) -> str:
     """`a.b, c.d changed` (at most four named, as the configuration names them: a key's "config." prefix left
     out, its "key" digest not a field), or `settings changed` where the old key does not say."""
-    changed = changed_fields(old, new) if isinstance(old, dict) else []
+    says = isinstance(old, dict) and set(old) != {"key"}  # a bare digest (a key file of earlier versions) does not
+    changed = changed_fields(old, new) if says else []
     fields = [f.removeprefix("config.") for f in changed if f != "key"]
     if not fields:
         return "settings changed"
