@@ -113,13 +113,12 @@ def stored_folder_key(out_dir: Path) -> dict[str, Any] | None:
 
 
 def take_folder_key(config: PipelineConfig, target: TargetModel, out_dir: Path, events: RunEvents) -> None:
-    """Set aside the states of another key, bring back those of this one (`eagle3_core.kept.switch_key`),
-    and record the key and the shard layout of the folder."""
-    key = folder_key(config, target)
+    """Set aside the states of another key, bring back those of this one (`eagle3_core.kept.switch_key`);
+    files only move. A folder keeping another layout than the configured one says so."""
     kept_root = RunLayout.of(config).kept(out_dir)
-    for line in switch_key(out_dir, kept_root, KEY_FILE, stored_folder_key(out_dir), key, key_id, "hidden-state"):
+    stored = stored_folder_key(out_dir)
+    for line in switch_key(out_dir, kept_root, KEY_FILE, stored, folder_key(config, target), key_id, "hidden-state"):
         events.record(PHASE, DECISION, line)
-    out_dir.mkdir(parents=True, exist_ok=True)
     size = recorded_shard_size(out_dir)
     if size is not None and size != config.extraction.samples_per_shard:
         events.record(
@@ -128,10 +127,13 @@ def take_folder_key(config: PipelineConfig, target: TargetModel, out_dir: Path, 
             f"extraction.samples_per_shard {config.extraction.samples_per_shard} applies to a new folder: "
             f"{out_dir} keeps its shards of {size} samples (a file layout, nothing extracted again)",
         )
+
+
+def write_folder_key(out_dir: Path, key: dict[str, Any], samples_per_shard: int) -> None:
+    """Record whose states the folder holds (`key.json`) and its layout (`layout.json`)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out_dir / KEY_FILE, json.dumps(key))
-    write_text_atomic(
-        out_dir / LAYOUT_FILE, json.dumps({"samples_per_shard": size or config.extraction.samples_per_shard})
-    )
+    write_text_atomic(out_dir / LAYOUT_FILE, json.dumps({"samples_per_shard": samples_per_shard}))
 
 
 def upstream_of(sample_set: SampleSet, target: TargetModel) -> dict[str, str]:
@@ -254,6 +256,7 @@ def extract_hidden_states(
     shards = plan_shards(rows, cfg["extraction"]["samples_per_shard"])
     keys = [shard_key(key, s) for s in shards]
     pending = [i for i, k in enumerate(keys) if done_record(out_dir, shard_name(i), k) is None]
+    out_dir.mkdir(parents=True, exist_ok=True)
     if pending and len(pending) < len(shards):
         events.record(
             PHASE,
@@ -270,8 +273,11 @@ def extract_hidden_states(
         preflight_extraction(config, sample_set, target, out_dir, layer_ids, needed, starts_engine(server), events)
         max_tokens = max(len(r["input_ids"]) for r in rows)
         with open_backend(config, target, layer_ids, events, progress, server, max_tokens) as backend:
-            remove_stale(out_dir, pending)  # only now, with the preflight passed and the engine up
+            # Only now, with the preflight passed and the engine up, is anything in the folder written.
+            write_folder_key(out_dir, folder_key(config, target), cfg["extraction"]["samples_per_shard"])
+            remove_stale(out_dir, pending)
             run_shards(backend, out_dir, shards, keys, pending, config.extraction, target.hidden_size, progress)
+    write_folder_key(out_dir, folder_key(config, target), cfg["extraction"]["samples_per_shard"])
     manifest = build_manifest(out_dir, shards, keys, cfg, upstream, target)
     manifest.save()
     events.record(
