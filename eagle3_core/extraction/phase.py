@@ -11,12 +11,15 @@ when a shard is missing, so a re-run with every shard done loads no weights.
 The folder's key (`key.json`: the phase key and the target) says whose states it holds: the states of another
 key are set aside under `<run_dir>/kept/hidden_states/<key id>/` and come back when that key is asked for
 again (`eagle3_core.kept`). Nothing in the folder is removed or rewritten before the preflight has passed and
-the engine is up; shards beyond a smaller plan stay (a larger plan finds them done).
+the engine is up; shards beyond a smaller plan stay (a larger plan finds them done), and a complete shard of
+another plan (other samples, e.g. fewer prompts) is set aside under `kept/hidden_states/shards/` rather than
+written over, to come back when its plan does.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -255,6 +258,9 @@ def extract_hidden_states(
         raise ValueError(f"{sample_set.root}: no ok, non-held-out samples to extract")
     shards = plan_shards(rows, cfg["extraction"]["samples_per_shard"])
     keys = [shard_key(key, s) for s in shards]
+    kept_root = RunLayout.of(config).kept(out_dir)
+    if brought := bring_back_shards(out_dir, kept_root, keys):
+        events.record(PHASE, DECISION, f"{len(brought)} shards of these samples brought back from {kept_root}")
     pending = [i for i, k in enumerate(keys) if done_record(out_dir, shard_name(i), k) is None]
     out_dir.mkdir(parents=True, exist_ok=True)
     if pending and len(pending) < len(shards):
@@ -275,6 +281,7 @@ def extract_hidden_states(
         with open_backend(config, target, layer_ids, events, progress, server, max_tokens) as backend:
             # Only now, with the preflight passed and the engine up, is anything in the folder written.
             write_folder_key(out_dir, folder_key(config, target), cfg["extraction"]["samples_per_shard"])
+            set_aside_replaced(out_dir, kept_root, pending)
             remove_stale(out_dir, pending)
             run_shards(backend, out_dir, shards, keys, pending, config.extraction, target.hidden_size, progress)
     write_folder_key(out_dir, folder_key(config, target), cfg["extraction"]["samples_per_shard"])
@@ -288,6 +295,44 @@ def extract_hidden_states(
         digest=manifest.digest,
     )
     return manifest
+
+
+def replaced_shards(kept_root: Path, shard: str) -> Path:
+    """Where a complete shard of another plan (other samples in that place) is kept, by its plan key."""
+    return kept_root / "shards" / shard[:32]
+
+
+def set_aside_replaced(out_dir: Path, kept_root: Path, pending: list[int]) -> None:
+    """Move each pending shard that is complete for another plan (its record intact) aside with its record,
+    instead of writing over it: a plan that asks for it again (`bring_back_shards`) loads no weights."""
+    for i in pending:
+        name = shard_name(i)
+        try:
+            record = json.loads((out_dir / (name + DONE_SUFFIX)).read_text())
+            intact = FileRecord.model_validate(record["file"]).problem(out_dir) is None
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if intact:
+            aside = replaced_shards(kept_root, record["key"])
+            aside.mkdir(parents=True, exist_ok=True)
+            os.replace(out_dir / name, aside / name)
+            os.replace(out_dir / (name + DONE_SUFFIX), aside / (name + DONE_SUFFIX))
+
+
+def bring_back_shards(out_dir: Path, kept_root: Path, keys: list[str]) -> list[str]:
+    """Put back each shard of this plan that was set aside for another plan (the one in its place, if complete,
+    is set aside in turn); returns their names. Files only move."""
+    brought = []
+    for i, key in enumerate(keys):
+        name, aside = shard_name(i), replaced_shards(kept_root, key)
+        if done_record(out_dir, name, key) is not None or done_record(aside, name, key) is None:
+            continue
+        set_aside_replaced(out_dir, kept_root, [i])
+        os.replace(aside / name, out_dir / name)
+        os.replace(aside / (name + DONE_SUFFIX), out_dir / (name + DONE_SUFFIX))
+        aside.rmdir()
+        brought.append(name)
+    return brought
 
 
 def remove_stale(out_dir: Path, pending: list[int]) -> None:

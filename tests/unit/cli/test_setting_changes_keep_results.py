@@ -50,7 +50,7 @@ def urls():
 
 
 def invoke(command: str, settings: list[str]) -> Result:
-    return CliRunner().invoke(app, [command, *[a for s in settings for a in ("--set", s)]])
+    return CliRunner().invoke(app, [command, *sets(settings)])
 
 
 def files_of(*folders: Path) -> Counter[str]:
@@ -322,3 +322,27 @@ def test_a_torn_events_line_is_skipped_and_the_next_line_starts_on_its_own(tmp_p
         log.write('{"ts": 1, "phase": "sampling", "event": "decision", "mess')
     events.record("sampling", DECISION, "after the tear")
     assert [e["message"] for e in events.read()] == ["first", "after the tear"]
+
+
+def test_fewer_samples_then_back_extract_no_shard_again(tmp_path, tiny_llama, smollm2_target):
+    """A smaller SampleSet (fewer prompts) changes the last shard's samples: the complete shard of the larger
+    set is set aside rather than written over, and the larger set, asked for again, loads no weights."""
+    run_dir = tmp_path / "run"
+    build_sample_set(tmp_path / "four", smollm2_target.root_path, num_ok=4)
+    build_sample_set(tmp_path / "three", smollm2_target.root_path, num_ok=3)
+    base, events = extract_settings(run_dir, tiny_llama.root_path), RunEvents(run_dir)
+    assert CliRunner().invoke(app, ["extract", "--samples", str(tmp_path / "four"), *sets(base)]).exit_code == 0
+    original, before = HiddenStateSet.load(run_dir / "hidden_states"), files_of(run_dir / "hidden_states")
+    fewer = CliRunner().invoke(app, ["extract", "--samples", str(tmp_path / "three"), *sets(base)])
+    assert fewer.exit_code == 0, fewer.output
+    assert events.count(WEIGHT_LOAD, "extraction") == 2, "the shard of other samples is extracted"
+    assert files_of(run_dir / "hidden_states", run_dir / "kept") >= before, "a shard of the first run was lost"
+    back = CliRunner().invoke(app, ["extract", "--samples", str(tmp_path / "four"), *sets(base)])
+    assert back.exit_code == 0 and back.exception is None, back.output
+    assert events.count(WEIGHT_LOAD, "extraction") == 2, "extracted again"
+    assert HiddenStateSet.load(run_dir / "hidden_states").digest == original.digest
+    assert any("1 shards of these samples brought back" in line for line in decisions(run_dir, "extraction"))
+
+
+def sets(settings: list[str]) -> list[str]:
+    return [a for s in settings for a in ("--set", s)]
