@@ -66,6 +66,8 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     kind: ClassVar[str] = "manifest"
     not_digested: ClassVar[frozenset[str]] = frozenset({"root", "digest"})  # fields the digest leaves out
+    # Fields added later that the digest leaves out where empty, so manifests written before keep their digests.
+    digested_when_set: ClassVar[frozenset[str]] = frozenset()
     format_version: int = Field(1, description="Bumped when the phase's on-disk format changes.")
     root: str = Field(description="Folder holding the files.")
     files: list[FileRecord] = Field(default_factory=list, description="Every file the phase wrote.")
@@ -84,6 +86,9 @@ class Manifest(BaseModel):
     @property
     def digest(self) -> str:
         content = self.model_dump(mode="json", exclude=set(self.not_digested))
+        for name in self.digested_when_set:
+            if not content[name]:
+                del content[name]
         content["files"] = sorted((f["path"], f["sha256"]) for f in content["files"])
         return sha256_json({"kind": self.kind, **content})
 
@@ -243,6 +248,7 @@ class SampleSet(Manifest):
     kind: ClassVar[str] = "sample_set"
     # `responses_per_prompt` is in `config` wherever it is not 1: digests stay those of manifests without it.
     not_digested: ClassVar[frozenset[str]] = Manifest.not_digested | {"responses_per_prompt"}
+    digested_when_set: ClassVar[frozenset[str]] = frozenset({"unasked"})
     prompts: int = Field(0, description="Prompts asked for.")
     responses_per_prompt: int = Field(1, description="Responses asked for per prompt, each a row of its own.")
     ok: int = Field(0, description="Rows with a completion.")
@@ -253,6 +259,11 @@ class SampleSet(Manifest):
     errors: dict[str, str] = Field(default_factory=dict, description="Sample id -> reason, for error rows.")
     target_digest: str = Field("", description="Digest of the TargetModel sampled from.")
     tokenizer_digest: str = Field("", description="The target tokenizer digest that made input_ids.")
+    unasked: list[str] = Field(
+        default_factory=list,
+        description="Ids of rows in `files` that are not part of this set (sampled for a larger prompt set, "
+        "kept for it); every reader skips them.",
+    )
 
 
 class HiddenStateSet(Manifest):

@@ -136,7 +136,7 @@ class ServerConfig(Section):
     url: str | None = Field(
         None,
         description="Base URL of an external OpenAI-compatible server.",
-        json_schema_extra=roles(sampling=CONTENT, extraction=OPERATIONAL, evaluation=OPERATIONAL),
+        json_schema_extra=roles(sampling=OPERATIONAL, extraction=OPERATIONAL, evaluation=OPERATIONAL),
     )
     api_key_env: str | None = Field(
         None,
@@ -210,8 +210,9 @@ class ServerConfig(Section):
     )
     extra_args: list[str] = Field(
         default_factory=list,
-        description="Further vLLM command-line arguments.",
-        json_schema_extra=roles(sampling=OPERATIONAL, extraction=OPERATIONAL, evaluation=VLLM),
+        description="Further vLLM command-line arguments; those that may change completions or states (any but "
+        "the speed flags of `server_defaults.SPEED_FLAGS`) are keyed.",
+        json_schema_extra=added(sampling=CONTENT, extraction=CONTENT, evaluation=VLLM),
     )
     env: dict[str, str] = Field(
         default_factory=dict,
@@ -372,7 +373,11 @@ class ExtractionConfig(Section):
         json_schema_extra=operational("extraction"),
     )
     samples_per_shard: int = Field(
-        64, ge=1, description="Samples written per safetensors shard.", json_schema_extra=content("extraction")
+        64,
+        ge=1,
+        description="Samples written per safetensors shard of a new hidden-states folder; a folder keeps the "
+        "layout it was started with (a file layout, never a reason to extract again).",
+        json_schema_extra=operational("extraction"),
     )
     batch_size: int = Field(
         8, ge=1, description="Samples per forward pass (hf backend).", json_schema_extra=operational("extraction")
@@ -642,8 +647,9 @@ class TrainingConfig(Section):
     processes: Literal["auto"] | PositiveInt = Field(
         "auto",
         description="Processes the flow's training starts under torchrun: auto = one per visible CUDA device (1 on "
-        "a CPU); N > 1 on a CPU = N gloo workers.",
-        json_schema_extra=operational("training"),
+        "a CPU); N > 1 on a CPU = N gloo workers. Training is keyed by the processes it resolves to (with "
+        "`training.batch_size` per process, they make the global batch), not by this value.",
+        json_schema_extra=added(training=INPUT),
     )
 
     @model_validator(mode="after")
@@ -859,8 +865,9 @@ class OrchestrationConfig(Section):
     hosts: PositiveInt = Field(
         1,
         description="Hosts a run spreads sampling, extraction and training over (child flow runs on the gpu work "
-        "pool, one slice each, sharing run_dir); 1: everything in this flow run.",
-        json_schema_extra=operational(EVERY_PHASE),
+        "pool, one slice each, sharing run_dir); 1: everything in this flow run. Training keys the processes of "
+        "every host together (the global batch), not this value.",
+        json_schema_extra=added(**{EVERY_PHASE: OPERATIONAL, "training": INPUT}),
     )
     host: int | None = Field(
         None,

@@ -24,9 +24,27 @@ DECISION = "decision"
 PREFLIGHT = "preflight"
 
 
+def parsed_lines(text: str) -> Iterator[dict[str, Any]]:
+    """The JSON objects of an events.jsonl text; a line torn by a short write (a full disk, a kill) is
+    skipped, so one damaged line never makes the log unreadable."""
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and "event" in event and "phase" in event:
+            yield event
+
+
+def ends_torn(fd: int) -> bool:
+    """Whether the file open at `fd` ends in a line a short write left without its newline."""
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+
+
 class RunEvents:
     """Appends to `<run_dir>/events.jsonl`. Each line is written with one O_APPEND write, so lines from
-    concurrent processes never interleave."""
+    concurrent processes never interleave; a line after a torn one starts on a line of its own."""
 
     def __init__(self, run_dir: Path | str):
         self.path = Path(run_dir) / "events.jsonl"
@@ -34,9 +52,10 @@ class RunEvents:
     def record(self, phase: str, event: str, message: str, **fields: Any) -> None:
         line = {"ts": time.time(), "phase": phase, "event": event, "message": message, **fields}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, (json.dumps(line, default=str) + "\n").encode())
+            text = json.dumps(line, default=str) + "\n"
+            os.write(fd, (("\n" if ends_torn(fd) else "") + text).encode())
         finally:
             os.close(fd)
         log.info("[%s] %s", phase, message)
@@ -52,7 +71,7 @@ class RunEvents:
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return list(parsed_lines(self.path.read_text(errors="replace")))
 
     def count(self, event: str, phase: str | None = None) -> int:
         return sum(1 for e in self.read() if e["event"] == event and (phase is None or e["phase"] == phase))

@@ -127,6 +127,29 @@ def atomic_path(path: Path, needed: int | None = None) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def writer_alive(pid: int) -> bool:
+    """Whether process `pid` still runs on this host (a process of another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_dead_temps(folder: Path) -> list[Path]:
+    """Remove the temporary files `atomic_path` left in `folder` when its writer was killed (`.<name>.tmp-<pid>`
+    of a pid that no longer runs); a live writer's are left alone. Returns those removed."""
+    removed = []
+    for tmp in Path(folder).glob(".*.tmp-*"):
+        pid = tmp.name.rpartition(".tmp-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not writer_alive(int(pid)) and tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     with atomic_path(path, needed=len(data)) as tmp:
         tmp.write_bytes(data)

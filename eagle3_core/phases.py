@@ -25,7 +25,7 @@ from eagle3_core.config import (
     Role,
 )
 from eagle3_core.dtypes import with_resolved_dtypes
-from eagle3_core.server_defaults import with_resolved_server
+from eagle3_core.server_defaults import completion_args, with_resolved_server
 
 # Roles whose fields enter the Prefect cache key: every field that is not operational.
 KEYED_ROLES: tuple[Role, ...] = (CONTENT, INPUT, VLLM, VERDICT)
@@ -56,6 +56,8 @@ TRAINING = PhaseSpec("training", 1, ("training", "export.engines"))
 EVALUATION = PhaseSpec(
     "evaluation", 1, ("server", "evaluation", "sampling.holdout_fraction", "sampling.request_timeout_s")
 )
+# Phases whose results hold what the engine computes, not how fast: speed flags of server.extra_args are not keyed.
+SPEED_BLIND = (SAMPLING.name, EXTRACTION.name)
 PHASES = (PREPARE_TARGET, SAMPLING, EXTRACTION, VOCAB, TRAINING, EVALUATION)
 
 
@@ -99,9 +101,12 @@ def unkeyed_defaults() -> dict[str, Any]:
 def keyed_fields(config: PipelineConfig, phase: str, keyed: tuple[Role, ...] = (CONTENT,)) -> dict[str, Any]:
     """The values of `phase`'s fields whose role is in `keyed`, as {section: {field: value}} (top-level
     fields as {field: value}), with `auto` compute dtypes and server fields resolved as this host runs them:
-    `auto` and the value it stands for share every key. A field added after runs were keyed is left out at its default
-    (`unkeyed_defaults`), so the keys of those runs stay what they were."""
+    `auto` and the value it stands for share every key; sampling and extraction key only the engine arguments
+    that may change what they produce (`server_defaults.completion_args`). A field added after runs were keyed
+    is left out at its default (`unkeyed_defaults`), so the keys of those runs stay what they were."""
     data = with_resolved_server(with_resolved_dtypes(config.model_dump(mode="json"), config), config)
+    if phase in SPEED_BLIND:
+        data["server"]["extra_args"] = completion_args(data["server"]["extra_args"])
     defaults = unkeyed_defaults()
     selected: dict[str, Any] = {}
     for path, role in field_roles(phase).items():

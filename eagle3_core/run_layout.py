@@ -37,8 +37,9 @@ class DraftLayout:
 
 @dataclass(frozen=True)
 class PromotedLayout:
-    """The nightly flow's promoted drafter, `<run_dir>/current`, or its staging and retired copies: the
-    draft folder (without training states) and `current.json`, which says why it is current."""
+    """The nightly flow's promoted drafter, `<run_dir>/current` (a symlink to one of its `versions`), or one
+    of those copies: the draft folder (without training states) and `current.json`, which says why it is
+    current."""
 
     root: Path
 
@@ -50,9 +51,14 @@ class PromotedLayout:
     def record(self) -> Path:
         return self.root / "current.json"
 
-    def beside(self, suffix: str) -> PromotedLayout:
-        """A copy next to this one: `current.new` while it is staged, `current.old` while it is retired."""
-        return PromotedLayout(self.root.with_name(self.root.name + suffix))
+    @property
+    def versions(self) -> Path:
+        """`current.d/`: the promoted copies, each complete before `current` (a symlink) is pointed at it."""
+        return self.root.with_name(self.root.name + ".d")
+
+    def version(self, name: str) -> PromotedLayout:
+        """One promoted copy under `versions`."""
+        return PromotedLayout(self.versions / name)
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,11 @@ class RunLayout:
         without a slice those of no slice. Never another slice's: its engine may run on another host, or
         beside this one (two workers on one host), and is that slice's to stop."""
         return sorted(p for p in self.server.glob("*.pid") if slice_named(p.stem) == self.part)
+
+    def kept(self, folder: Path) -> Path:
+        """Where results of other settings are kept for `folder` (a folder under the run's root):
+        `<run_dir>/kept/<folder's path under the root>/`, one sub-folder per key (`eagle3_core.kept`)."""
+        return self.root / "kept" / Path(folder).relative_to(self.root)
 
     @property
     def prefect_results(self) -> Path:

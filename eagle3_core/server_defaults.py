@@ -138,6 +138,27 @@ def concrete_server(server: ServerConfig, model_dir: Path | str | None = None) -
     return resolve_server(server, host_facts(), size)
 
 
+# vLLM flags of `server.extra_args` that change how fast an engine answers, not what: left out of every key.
+SPEED_FLAGS = frozenset(
+    {
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--disable-log-requests",
+        "--disable-log-stats",
+        "--enable-log-requests",
+        "--uvicorn-log-level",
+        "--swap-space",
+        "--cpu-offload-gb",
+        "--enable-chunked-prefill",
+        "--no-enable-chunked-prefill",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+        "--max-log-len",
+        "--served-model-name",
+    }
+)
+
+
 def with_resolved_server(data: dict[str, Any], config: PipelineConfig) -> dict[str, Any]:
     """A config dump (`model_dump(mode="json")`) with every `auto` server field resolved on this host, in place:
     identity for a config `resolved_run` already resolved (every CLI command's and the flow's); a library
@@ -146,3 +167,19 @@ def with_resolved_server(data: dict[str, Any], config: PipelineConfig) -> dict[s
         server = resolve_server(config.server, host_facts(), None)
         data["server"].update(server.model_dump(mode="json", include=set(AUTO_FIELDS)))
     return data
+
+
+def completion_args(args: list[str]) -> list[str]:
+    """The engine arguments that may change a completion (`--quantization`, `--chat-template`,
+    `--override-generation-config`, any flag not known to change only speed): `SPEED_FLAGS` and their values
+    left out."""
+    kept: list[str] = []
+    skipping = False
+    for arg in args:
+        if arg.startswith("-"):
+            skipping = arg.split("=", 1)[0] in SPEED_FLAGS
+            if not skipping:
+                kept.append(arg)
+        elif not skipping:
+            kept.append(arg)
+    return kept

@@ -2,13 +2,17 @@
 
 Sampling and extraction resume by id, so only new prompts are sampled and only new samples extracted; the
 draft is trained from the current one (`training.warm_start`), evaluated, and kept as `current` only if its
-acceptance length beats the current drafter's. `current` is a copied folder (not a symlink into `draft/`,
-which the next training overwrites) holding the exported drafter, its manifests and `current.json`.
+acceptance length beats the current drafter's. `current` is a symlink to a copied folder under `current.d/`
+(not into `draft/`, which the next training overwrites) holding the exported drafter, its manifests and
+`current.json`. Promotion is crash-safe: the new copy is complete before `current` is repointed with one
+atomic rename (`os.replace` of a symlink), so a kill at any moment leaves `current` naming the old drafter or
+the new one, never none; a `current` left missing by the copied folders of earlier versions is restored.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -21,7 +25,7 @@ from eagle3_core.artifacts import DraftCheckpoint, EvalReport
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.files import write_text_atomic
-from eagle3_core.run_layout import DraftLayout, RunLayout
+from eagle3_core.run_layout import DraftLayout, PromotedLayout, RunLayout
 from flows.hooks import stop_engines
 from flows.train_drafter import run_pipeline
 
@@ -38,8 +42,39 @@ class CurrentDrafter(BaseModel):
 
 
 def load_current(config: PipelineConfig) -> CurrentDrafter | None:
-    path = RunLayout.of(config).current.record
+    current = recovered_current(RunLayout.of(config).current)
+    path = current.record
     return CurrentDrafter.model_validate_json(path.read_text()) if path.exists() else None
+
+
+def recovered_current(current: PromotedLayout) -> PromotedLayout:
+    """`current`, pointed back at the newest complete copy (one holding `current.json`: of `versions`, or
+    the `current.old` an earlier version's promotion retired) where a crash left it missing."""
+    if current.root.exists() or (current.root.is_symlink() and current.record.exists()):
+        return current
+    retired = current.root.with_name(current.root.name + ".old")
+    copies = [*(p for p in current.versions.glob("*") if p.is_dir()), retired]
+    complete = [p for p in copies if (p / current.record.name).is_file()]
+    if complete:
+        newest = max(complete, key=lambda p: (p / current.record.name).stat().st_mtime)
+        if newest == retired:
+            current.versions.mkdir(parents=True, exist_ok=True)
+            retired.rename(current.versions / "retired")
+            newest = current.versions / "retired"
+        point_current(current, newest)
+    return current
+
+
+def point_current(current: PromotedLayout, copy: Path) -> None:
+    """Point the `current` symlink at `copy` with one atomic rename. A `current` that is a copied folder (an
+    earlier version's promotion) is first moved under `versions`."""
+    current.versions.mkdir(parents=True, exist_ok=True)
+    link = current.root.with_name(current.root.name + ".link")
+    link.unlink(missing_ok=True)
+    link.symlink_to(os.path.relpath(copy, current.root.parent))
+    if current.root.is_dir() and not current.root.is_symlink():
+        current.root.rename(current.versions / f"folder-{time.time_ns()}")
+    os.replace(link, current.root)
 
 
 def warm_start_config(config: PipelineConfig) -> PipelineConfig:
@@ -56,12 +91,13 @@ def is_better(report: EvalReport, current: CurrentDrafter | None) -> bool:
 
 
 def promote(config: PipelineConfig, checkpoint: DraftCheckpoint, report: EvalReport) -> Path:
-    """Copy the exported drafter, its checkpoint manifest and its report to `current.new/` (not the
-    training state: it is only for resuming, and large), then swap it in place of `current/`."""
-    current = RunLayout.of(config).current
-    staging, retired = current.beside(".new"), current.beside(".old")
-    for stale in (staging, retired):
-        shutil.rmtree(stale.root, ignore_errors=True)
+    """Copy the exported drafter, its checkpoint manifest and its report to a new folder of `current.d/` (not
+    the training state: it is only for resuming, and large), point `current` at it (see the module
+    docstring), then drop the copies older than the one it replaced."""
+    current = recovered_current(RunLayout.of(config).current)
+    name = f"{time.time_ns()}-{checkpoint.digest[:12]}"
+    staging = current.version(name + ".partial")
+    shutil.rmtree(staging.root, ignore_errors=True)
     draft = DraftLayout(checkpoint.root_path)
     shutil.copytree(draft.export, staging.draft.export)
     shutil.copy2(draft.root / f"{DraftCheckpoint.kind}.json", staging.draft.root)
@@ -73,10 +109,13 @@ def promote(config: PipelineConfig, checkpoint: DraftCheckpoint, report: EvalRep
         promoted_at=time.time(),
     )
     write_text_atomic(staging.record, record.model_dump_json(indent=2))
-    if current.root.exists():
-        current.root.rename(retired.root)
-    staging.root.rename(current.root)
-    shutil.rmtree(retired.root, ignore_errors=True)
+    promoted = current.version(name)
+    staging.root.rename(promoted.root)
+    previous = current.root.resolve() if current.root.is_symlink() else None
+    point_current(current, promoted.root)
+    for old in current.versions.iterdir():
+        if old.resolve() not in (promoted.root.resolve(), previous):
+            shutil.rmtree(old, ignore_errors=True)
     return current.root
 
 

@@ -6,7 +6,8 @@ operational for the phase: `eagle3_core.phases`, whose marks the core's resume k
 content of inputs that live outside the config; the upstream manifests' digests). The task's source is NOT
 part of it: a comment edit must not invalidate a 25-minute extraction; a change of the on-disk format bumps
 the phase's version instead. A stored result is trusted only if its manifest still validates (its files
-exist, unchanged); otherwise the record is deleted and the phase runs again.
+exist, unchanged) and is final (a SampleSet without error rows); otherwise the record is deleted and the
+phase runs again.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 from prefect.tasks import Task, exponential_backoff
 
-from eagle3_core.artifacts import ArtifactInvalid, Manifest
+from eagle3_core.artifacts import ArtifactInvalid, Manifest, SampleSet
 from eagle3_core.config import ConfigError, PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.faults import InjectedFault, check_fault, faulting_progress
@@ -80,6 +81,14 @@ class PhaseCachePolicy(CachePolicy):
         return key
 
 
+def unfinished_rows(manifest: Manifest) -> str | None:
+    """Why a stored result is not final though its files are intact: a SampleSet with error rows (they are
+    retried, as `eagle3 sample` retries them); None for a final one."""
+    if isinstance(manifest, SampleSet) and manifest.error:
+        return f"its {manifest.error} error rows are retried"
+    return None
+
+
 def drop_invalid_record(task_ctx: TaskRunContext, key: str, phase: str, events: RunEvents) -> None:
     """Validate the manifest stored under `key`: record a CACHE_HIT if it holds, else delete the record so
     the phase runs again instead of returning files that are gone or changed."""
@@ -91,6 +100,8 @@ def drop_invalid_record(task_ctx: TaskRunContext, key: str, phase: str, events: 
         if not isinstance(manifest, Manifest):
             raise ArtifactInvalid(f"stored result is a {type(manifest).__name__}, not a manifest")
         manifest.validate()
+        if unfinished := unfinished_rows(manifest):
+            raise ArtifactInvalid(unfinished)
     except Exception as exc:
         record_path = Path(store.result_storage._resolve_path(key))  # type: ignore[union-attr]
         record_path.unlink(missing_ok=True)

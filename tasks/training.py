@@ -1,11 +1,14 @@
 """Prefect task of draft training. Keyed on the training settings marked content (not device, sharding,
-compilation, checkpointing or the process count), the upstream manifests and, for a warm start, the files of
-the checkpoint started from: the nightly run warm-starts from `current`, a folder whose name stays while its
-drafter changes. `training.processes` > 1 runs torchrun as a child of this task, holding the `gpu` slot for
-the whole launch, with rank 0's progress and the run's events relayed here (`eagle3_core.training.launch`).
+compilation or checkpointing), the processes training together (they make the global batch), the upstream
+manifests and, for a warm start, the files of the checkpoint started from: the nightly run warm-starts from
+`current`, a folder whose name stays while its drafter changes. `training.processes` > 1 runs torchrun as a
+child of this task, holding the `gpu` slot for the whole launch, with rank 0's progress and the run's events
+relayed here (`eagle3_core.training.launch`).
 The training curves (`<run_dir>/draft/training_curves.png`) become the `training-curves` artifact."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
@@ -22,11 +25,17 @@ from tasks.policy import PhaseCachePolicy, phase_task_options, run_gpu_phase
 PHASE = TRAINING.name
 
 
-def warm_start_identity(config: PipelineConfig) -> list[tuple[str, int, int]] | None:
-    return folder_identity(config.training.warm_start)
+def training_inputs(config: PipelineConfig) -> Any:
+    """The files of the warm-start checkpoint, and the processes training together where they are more than
+    one (they make the global batch; `training.launch.training_world`)."""
+    from eagle3_core.training.launch import training_world
+
+    identity = folder_identity(config.training.warm_start)
+    world = training_world(config)
+    return identity if world == 1 else {"warm_start": identity, "world": world}
 
 
-POLICY = PhaseCachePolicy(spec=TRAINING, extra=warm_start_identity)
+POLICY = PhaseCachePolicy(spec=TRAINING, extra=training_inputs)
 
 
 @task(**phase_task_options(POLICY))

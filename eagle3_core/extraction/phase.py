@@ -1,16 +1,25 @@
 """Phase 3, extract hidden states: prefill every training sample once and store its aux and last states.
 
 Resume works per shard. The samples to extract (ok rows, not held out, in SampleSet order) are cut into
-shards of `samples_per_shard`; each shard's plan key digests the phase key and its sample ids. A shard
-counts as done when its completion record (`<shard>.done.json`, written after the shard) carries the same
-plan key and the file still matches the recorded size and sha256 (re-hashed when its mtime changed): a
+shards of the folder's `samples_per_shard` (`layout.json`: the value it was started with, a file layout that a
+later change of the setting does not redo); each shard's plan key digests the phase key and its sample ids.
+A shard counts as done when its completion record (`<shard>.done.json`, written after the shard) carries the
+same plan key and the file still matches the recorded size and sha256 (re-hashed when its mtime changed): a
 truncated or corrupt shard is rewritten, never trained on. The engine (one full weight load) starts only
 when a shard is missing, so a re-run with every shard done loads no weights.
+
+The folder's key (`key.json`: the phase key and the target) says whose states it holds: the states of another
+key are set aside under `<run_dir>/kept/hidden_states/<key id>/` and come back when that key is asked for
+again (`eagle3_core.kept`). Nothing in the folder is removed or rewritten before the preflight has passed and
+the engine is up; shards beyond a smaller plan stay (a larger plan finds them done), and a complete shard of
+another plan (other samples, e.g. fewer prompts) is set aside under `kept/hidden_states/shards/` rather than
+written over, to come back when its plan does.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,8 +42,9 @@ from eagle3_core.extraction.storage import (
     check_sample,
     shard_name,
 )
-from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.files import remove_dead_temps, sha256_json, write_text_atomic
 from eagle3_core.hosts import host_slice, in_slice
+from eagle3_core.kept import key_id, switch_key
 from eagle3_core.phases import EXTRACTION, phase_key
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.run_layout import RunLayout
@@ -43,12 +53,90 @@ from eagle3_core.serving.shared import starts_engine
 
 PHASE = EXTRACTION.name
 DONE_SUFFIX = ".done.json"
+KEY_FILE = "key.json"
+LAYOUT_FILE = "layout.json"
+
+
+def recorded_shard_size(out_dir: Path) -> int | None:
+    """`samples_per_shard` of the folder's shards: from its `layout.json`, else (a folder from before it)
+    from its manifest's config; None for a folder with neither."""
+    readers = (
+        lambda: json.loads((out_dir / LAYOUT_FILE).read_text())["samples_per_shard"],
+        lambda: json.loads((out_dir / f"{HiddenStateSet.kind}.json").read_text())["config"]["extraction"][
+            "samples_per_shard"
+        ],
+    )
+    for read in readers:
+        try:
+            size = read()
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(size, int) and size >= 1:
+            return size
+    return None
+
+
+def shard_size(config: PipelineConfig) -> int:
+    """The samples per shard of this run's folder: the layout it was started with, else the configured one."""
+    return recorded_shard_size(RunLayout.of(config).hidden_states) or config.extraction.samples_per_shard
+
+
+def folder_key(config: PipelineConfig, target: TargetModel) -> dict[str, Any]:
+    """What the folder's states depend on (not its file layout): the fields marked content, the layer ids as
+    resolved for this target, and the target."""
+    return {
+        "config": {**phase_key(config, EXTRACTION), "layer_ids": resolve_layer_ids(config, target)},
+        "target": target.digest,
+    }
 
 
 def phase_config(config: PipelineConfig, target: TargetModel) -> dict[str, Any]:
-    """The fields marked content (what is stored; not batch size, concurrency, device or the engine) and
-    the layer ids as resolved for this target."""
-    return {**phase_key(config, EXTRACTION), "layer_ids": resolve_layer_ids(config, target)}
+    """The fields marked content (what is stored; not batch size, concurrency, device or the engine), the
+    layer ids as resolved for this target, and the folder's samples per shard (`shard_size`; in the config
+    of the manifest and of every shard's plan key, as it always was)."""
+    cfg = folder_key(config, target)["config"]
+    cfg["extraction"] = {**cfg["extraction"], "samples_per_shard": shard_size(config)}
+    return cfg
+
+
+def stored_folder_key(out_dir: Path) -> dict[str, Any] | None:
+    """The folder's key: its `key.json`, else (a folder from before it) its manifest's config and target
+    without the layout; None where neither says."""
+    try:
+        return json.loads((out_dir / KEY_FILE).read_text())
+    except (OSError, ValueError):
+        pass
+    try:
+        manifest = json.loads((out_dir / f"{HiddenStateSet.kind}.json").read_text())
+        config = dict(manifest["config"])
+        config["extraction"] = {k: v for k, v in config["extraction"].items() if k != "samples_per_shard"}
+        return {"config": config, "target": manifest["upstream"]["target"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def take_folder_key(config: PipelineConfig, target: TargetModel, out_dir: Path, events: RunEvents) -> None:
+    """Set aside the states of another key, bring back those of this one (`eagle3_core.kept.switch_key`);
+    files only move. A folder keeping another layout than the configured one says so."""
+    kept_root = RunLayout.of(config).kept(out_dir)
+    stored = stored_folder_key(out_dir)
+    for line in switch_key(out_dir, kept_root, KEY_FILE, stored, folder_key(config, target), key_id, "hidden-state"):
+        events.record(PHASE, DECISION, line)
+    size = recorded_shard_size(out_dir)
+    if size is not None and size != config.extraction.samples_per_shard:
+        events.record(
+            PHASE,
+            DECISION,
+            f"extraction.samples_per_shard {config.extraction.samples_per_shard} applies to a new folder: "
+            f"{out_dir} keeps its shards of {size} samples (a file layout, nothing extracted again)",
+        )
+
+
+def write_folder_key(out_dir: Path, key: dict[str, Any], samples_per_shard: int) -> None:
+    """Record whose states the folder holds (`key.json`) and its layout (`layout.json`)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out_dir / KEY_FILE, json.dumps(key))
+    write_text_atomic(out_dir / LAYOUT_FILE, json.dumps({"samples_per_shard": samples_per_shard}))
 
 
 def upstream_of(sample_set: SampleSet, target: TargetModel) -> dict[str, str]:
@@ -156,6 +244,7 @@ def extract_hidden_states(
     """Extract the aux and last hidden states of every training sample (of this host's slice,
     `orchestration.host`) into `<run_dir>/hidden_states/` (the slice's folder under it)."""
     out_dir = RunLayout.of(config).hidden_states
+    take_folder_key(config, target, out_dir, events)
     cfg, upstream = phase_config(config, target), upstream_of(sample_set, target)
     cached = cached_manifest(out_dir, cfg, upstream)
     if cached is not None:
@@ -167,11 +256,13 @@ def extract_hidden_states(
     rows = [r for r in training_rows(sample_set, config.sampling.holdout_fraction) if in_slice(part, r["id"])]
     if not rows and part is None:  # a host's slice of a tiny set may be empty
         raise ValueError(f"{sample_set.root}: no ok, non-held-out samples to extract")
-    shards = plan_shards(rows, config.extraction.samples_per_shard)
+    shards = plan_shards(rows, cfg["extraction"]["samples_per_shard"])
     keys = [shard_key(key, s) for s in shards]
+    kept_root = RunLayout.of(config).kept(out_dir)
+    if brought := bring_back_shards(out_dir, kept_root, keys):
+        events.record(PHASE, DECISION, f"{len(brought)} shards of these samples brought back from {kept_root}")
     pending = [i for i, k in enumerate(keys) if done_record(out_dir, shard_name(i), k) is None]
     out_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale(out_dir, len(shards), pending)
     if pending and len(pending) < len(shards):
         events.record(
             PHASE,
@@ -188,7 +279,12 @@ def extract_hidden_states(
         preflight_extraction(config, sample_set, target, out_dir, layer_ids, needed, starts_engine(server), events)
         max_tokens = max(len(r["input_ids"]) for r in rows)
         with open_backend(config, target, layer_ids, events, progress, server, max_tokens) as backend:
+            # Only now, with the preflight passed and the engine up, is anything in the folder written.
+            write_folder_key(out_dir, folder_key(config, target), cfg["extraction"]["samples_per_shard"])
+            set_aside_replaced(out_dir, kept_root, pending)
+            remove_stale(out_dir, pending)
             run_shards(backend, out_dir, shards, keys, pending, config.extraction, target.hidden_size, progress)
+    write_folder_key(out_dir, folder_key(config, target), cfg["extraction"]["samples_per_shard"])
     manifest = build_manifest(out_dir, shards, keys, cfg, upstream, target)
     manifest.save()
     events.record(
@@ -201,16 +297,51 @@ def extract_hidden_states(
     return manifest
 
 
-def remove_stale(out_dir: Path, num_shards: int, pending: list[int]) -> None:
-    """Drop completion records of shards about to be rewritten, shards beyond the plan, and the manifest
-    (it is rewritten at the end): a crash mid-run then never leaves a record that lies."""
+def replaced_shards(kept_root: Path, shard: str) -> Path:
+    """Where a complete shard of another plan (other samples in that place) is kept, by its plan key."""
+    return kept_root / "shards" / shard[:32]
+
+
+def set_aside_replaced(out_dir: Path, kept_root: Path, pending: list[int]) -> None:
+    """Move each pending shard that is complete for another plan (its record intact) aside with its record,
+    instead of writing over it: a plan that asks for it again (`bring_back_shards`) loads no weights."""
+    for i in pending:
+        name = shard_name(i)
+        try:
+            record = json.loads((out_dir / (name + DONE_SUFFIX)).read_text())
+            intact = FileRecord.model_validate(record["file"]).problem(out_dir) is None
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if intact:
+            aside = replaced_shards(kept_root, record["key"])
+            aside.mkdir(parents=True, exist_ok=True)
+            os.replace(out_dir / name, aside / name)
+            os.replace(out_dir / (name + DONE_SUFFIX), aside / (name + DONE_SUFFIX))
+
+
+def bring_back_shards(out_dir: Path, kept_root: Path, keys: list[str]) -> list[str]:
+    """Put back each shard of this plan that was set aside for another plan (the one in its place, if complete,
+    is set aside in turn); returns their names. Files only move."""
+    brought = []
+    for i, key in enumerate(keys):
+        name, aside = shard_name(i), replaced_shards(kept_root, key)
+        if done_record(out_dir, name, key) is not None or done_record(aside, name, key) is None:
+            continue
+        set_aside_replaced(out_dir, kept_root, [i])
+        os.replace(aside / name, out_dir / name)
+        os.replace(aside / (name + DONE_SUFFIX), out_dir / (name + DONE_SUFFIX))
+        aside.rmdir()
+        brought.append(name)
+    return brought
+
+
+def remove_stale(out_dir: Path, pending: list[int]) -> None:
+    """Drop the completion records of shards about to be rewritten, the manifest (it is rewritten at the end)
+    and temporary files of a killed writer: a crash mid-run then never leaves a record that lies."""
     (out_dir / f"{HiddenStateSet.kind}.json").unlink(missing_ok=True)
     for i in pending:
         (out_dir / (shard_name(i) + DONE_SUFFIX)).unlink(missing_ok=True)
-    for path in out_dir.glob("shard-*.safetensors*"):
-        index = int(path.name.split(".")[0].split("-")[1])
-        if index >= num_shards:
-            path.unlink()
+    remove_dead_temps(out_dir)
 
 
 def run_shards(

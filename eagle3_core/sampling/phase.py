@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -353,27 +354,34 @@ def sample_prompts(
     part = host_slice(config)
     prompts = [p for p in every_prompt if in_slice(part, p.id)]
     store = SampleStore.of_run(config, target, prompts, events)
-    if cached := store.cached():
+    store.take_key()
+    if cached := store.cached(prompts):
         return cached
     wanted = set(store.sample_ids(prompts))
-    todo = wanted - store.resume(wanted)
+    todo = wanted - store.ok_ids(prompts)
     work = pending_work(every_prompt, todo, config.sampling.responses_per_prompt)
-    if work:
-        preflight_sampling(config, target, store.out_dir, len(work), starts_engine(server), events)
-        writer = store.writer(config.sampling.rows_per_part)
-        counts = RowProgress(progress, len(wanted) - len(todo), len(wanted))
-        turn_log = TurnLog(store.out_dir, sha256_json(row_key(store.key)))
-        try:
-            if server is None:
-                with open_server(config.server, target.root, config.run_dir, events, progress, PHASE, part) as own:
-                    sample_with(own, config, target, work, writer, counts, events, turn_log)
-            else:
-                running = running_server(server, PHASE, progress)
-                sample_with(running, config, target, work, writer, counts, events, turn_log)
-        finally:
-            writer.flush()
-        if not counts.errors:
-            turn_log.clear()
+    if not work:
+        store.resume(wanted, prompts)
+        return store.finish(target, prompts)
+    preflight_sampling(config, target, store.out_dir, len(work), starts_engine(server), events)
+    writer = store.writer(config.sampling.rows_per_part)
+    counts = RowProgress(progress, len(wanted) - len(todo), len(wanted))
+    turn_log = TurnLog(store.out_dir, sha256_json(row_key(store.key)))
+    started = (
+        open_server(config.server, target.root, config.run_dir, events, progress, PHASE, part)
+        if server is None
+        else nullcontext(running_server(server, PHASE, progress))
+    )
+    try:
+        with started as running:
+            # Only now, with the preflight passed and the engine up, is anything in the folder rewritten.
+            kept = store.resume(wanted, prompts)
+            work = pending_work(every_prompt, wanted - kept, config.sampling.responses_per_prompt)
+            sample_with(running, config, target, work, writer, counts, events, turn_log)
+    finally:
+        writer.flush()
+    if not counts.errors:
+        turn_log.clear()
     return store.finish(target, prompts)
 
 

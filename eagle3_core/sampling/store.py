@@ -3,16 +3,21 @@ and its response's index past the first: `table.sample_id`), and the final accou
 manifest.
 
 A re-run keeps the ok rows of earlier runs and samples every other response again (an error may have been
-a passing fault); rows no longer asked for are dropped so that ok + error + skipped always equals the
-prompts times `sampling.responses_per_prompt`. Rows made for another target or other sampling parameters
-are never mixed in: the folder's run key (target digest, parameters) is compared first; the prompt set and
-the number of responses per prompt are not part of it (a response is the same request however many are
-asked for), so more responses or prompts cost only the new rows.
+a passing fault). Rows no longer asked for (fewer prompts, `sampling.max_prompts`) stay in their parts and
+are listed in the SampleSet's `unasked`, which every reader skips: ok + error + skipped always equals the
+prompts times `sampling.responses_per_prompt`, and asking for them again costs nothing. Rows made for another
+target or other sampling parameters are never mixed in: the folder's run key (target digest, parameters) is
+compared first, and the rows of another key are set aside under `<run_dir>/kept/samples/<key id>/`
+(`eagle3_core.kept`), to come back when that key is asked for again; the prompt set and the number of
+responses per prompt are not part of it (a response is the same request however many are asked for), so
+more responses or prompts cost only the new rows. A prompt edited under the same id is sampled again: its
+old rows move to `replaced-*.parquet` beside the parts (kept, read by nothing).
 
-`SampleStore` is sampling's one resume API: `cached()` (the finished set, reused whole), `resume(wanted)`
-(keep the ok rows, return their ids), `writer()` (new rows as parts), `finish()` (the manifest), and the
-read-only `ok_ids()`. A run spread over hosts has one such folder per host's slice (`eagle3_core.hosts`);
-`merge_slices` accounts for their parts in the one SampleSet of `<run_dir>/samples`.
+`SampleStore` is sampling's one resume API: `take_key()` (set aside another key's rows, bring back this
+key's), `cached()` (the finished set, reused whole), `resume(wanted)` (keep the ok rows, return their ids),
+`writer()` (new rows as parts), `finish()` (the manifest), and the read-only `ok_ids()`. A run spread over
+hosts has one such folder per host's slice (`eagle3_core.hosts`); `merge_slices` accounts for their parts
+in the one SampleSet of `<run_dir>/samples`.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ import pyarrow.parquet as pq
 from eagle3_core.artifacts import ArtifactInvalid, SampleSet, TargetModel, record_files
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
-from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.files import remove_dead_temps, sha256_json, write_text_atomic
 from eagle3_core.hosts import check_each_once, every_slice
+from eagle3_core.kept import key_id, switch_key
 from eagle3_core.phases import SAMPLING, phase_key
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.prompts import Prompt, load_prompts
@@ -37,6 +43,9 @@ from eagle3_core.sampling.table import read_part, sample_id, write_part
 
 KEY_FILE = "run_key.json"
 PART_GLOB = "part-*.parquet"
+REPLACED_GLOB = "replaced-*.parquet"
+# Fields that left the sampling key (they never changed a row): a stored key that has them still matches.
+RETIRED_FIELDS = {"server": ("url",)}
 
 
 def run_key(config: PipelineConfig, target: TargetModel, prompts: list[Prompt]) -> dict[str, Any]:
@@ -53,6 +62,17 @@ def run_key(config: PipelineConfig, target: TargetModel, prompts: list[Prompt]) 
         "tokenizer": target.tokenizer_digest,
         "prompts": sha256_json([p.id for p in prompts]),
     }
+
+
+def without_retired(stored: Any) -> Any:
+    """A stored key without the fields that have left the key (`RETIRED_FIELDS`)."""
+    if not isinstance(stored, dict):
+        return stored
+    trimmed = dict(stored)
+    for section, names in RETIRED_FIELDS.items():
+        if isinstance(trimmed.get(section), dict):
+            trimmed[section] = {k: v for k, v in trimmed[section].items() if k not in names}
+    return trimmed
 
 
 def responses_per_prompt(key: dict[str, Any]) -> int:
@@ -126,14 +146,18 @@ class RowTally:
     errors: dict[str, str] = field(default_factory=dict)
     tokens: int = 0
     loss_tokens: int = 0
+    unasked: set[str] = field(default_factory=set)
 
 
-def tally_parts(parts: list[Path]) -> RowTally:
-    """Tally the rows of `parts`, one part in memory at a time (not every row: the client's memory stays
-    flat however many prompts there are)."""
+def tally_parts(parts: list[Path], wanted: set[str]) -> RowTally:
+    """Tally the rows of `parts` whose ids are `wanted` (the others are `unasked`), one part in memory at a
+    time (not every row: the client's memory stays flat however many prompts there are)."""
     tally = RowTally()
     for part in parts:
         for row in read_part(part):
+            if row["id"] not in wanted:
+                tally.unasked.add(row["id"])
+                continue
             tally.ids[row["id"]] += 1
             tally.status[row["status"]] += 1
             if row["status"] == "error":
@@ -144,12 +168,37 @@ def tally_parts(parts: list[Path]) -> RowTally:
     return tally
 
 
+def stored_messages(parts: list[Path], ids: set[str]) -> dict[str, Any]:
+    """Sample id -> the messages its row was sampled for, over the rows of `ids` in `parts`."""
+    found: dict[str, Any] = {}
+    for part in parts:
+        table = pq.read_table(part, columns=["id", "messages"]).to_pydict()
+        for sid, messages in zip(table["id"], table["messages"], strict=True):
+            if sid in ids:
+                found[sid] = json.loads(messages)
+    return found
+
+
+def edited_ids(parts: list[Path], prompts: list[Prompt], responses: int) -> set[str]:
+    """Sample ids whose row in `parts` was sampled for other messages than the prompt now under that id."""
+    wanted = {sample_id(p.id, r): p.messages for p in prompts for r in range(responses)}
+    return {sid for sid, messages in stored_messages(parts, set(wanted)).items() if messages != wanted[sid]}
+
+
 class SampleStore:
     """The samples folder `out_dir` of one run key (`run_key`), as the sampling phase resumes it; `phase`
-    names its lines in events.jsonl."""
+    names its lines in events.jsonl; `kept_root`: where rows of other keys are kept (`RunLayout.kept`)."""
 
-    def __init__(self, out_dir: Path, key: dict[str, Any], events: RunEvents, phase: str = "sampling"):
+    def __init__(
+        self,
+        out_dir: Path,
+        key: dict[str, Any],
+        events: RunEvents,
+        phase: str = "sampling",
+        kept_root: Path | None = None,
+    ):
         self.out_dir, self.key, self.events, self.phase = out_dir, key, events, phase
+        self.kept_root = kept_root or out_dir.parent / "kept" / out_dir.name
         self.responses = responses_per_prompt(key)
 
     @classmethod
@@ -157,10 +206,30 @@ class SampleStore:
         cls, config: PipelineConfig, target: TargetModel, prompts: list[Prompt], events: RunEvents
     ) -> SampleStore:
         """The store of `<run_dir>/samples` for these settings, target and prompts."""
-        return cls(RunLayout.of(config).samples, run_key(config, target, prompts), events)
+        layout = RunLayout.of(config)
+        key = run_key(config, target, prompts)
+        return cls(layout.samples, key, events, kept_root=layout.kept(layout.samples))
 
-    def cached(self) -> SampleSet | None:
-        """The finished SampleSet of the same key with no error rows, if its files are intact."""
+    def stored_key(self) -> Any:
+        """The folder's run key file, None where it has none (or it is unreadable)."""
+        try:
+            return json.loads((self.out_dir / KEY_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def take_key(self) -> None:
+        """Make the folder this key's: rows of another key are set aside under `kept_root` (one DECISION line
+        naming the fields that changed), rows of this key kept there come back. Files only move."""
+        stored = self.stored_key()
+        mine = row_key(self.key)
+        if stored is not None and key_matches(stored, mine, self.events, self.phase):
+            stored = mine  # a legacy form of this key: the same rows
+        for line in switch_key(self.out_dir, self.kept_root, KEY_FILE, without_retired(stored), mine, key_id, "sample"):
+            self.events.record(self.phase, DECISION, line)
+
+    def cached(self, prompts: list[Prompt] | None = None) -> SampleSet | None:
+        """The finished SampleSet of the same key with no error rows, if its files are intact (and, given
+        `prompts`, none of them was edited since it was sampled)."""
         out_dir, phase = self.out_dir, self.phase
         path = out_dir / f"{SampleSet.kind}.json"
         if not path.exists():
@@ -173,6 +242,10 @@ class SampleStore:
             return None
         if sample_set.error or not key_matches(sample_set.config, self.key, self.events, phase):
             return None
+        parts = [sample_set.path_of(record.path) for record in sample_set.files]
+        if prompts is not None and (edited := edited_ids(parts, prompts, self.responses)):
+            self.events.record(phase, DECISION, f"{len(edited)} prompts edited under the same id: sampling them again")
+            return None
         self.events.record(phase, CACHE_HIT, f"{sample_set.ok} samples at {out_dir} reused", digest=sample_set.digest)
         return sample_set
 
@@ -180,55 +253,71 @@ class SampleStore:
         """The ids of the rows `prompts` make: each prompt's responses in turn."""
         return [sample_id(p.id, r) for p in prompts for r in range(self.responses)]
 
-    def ok_ids(self) -> set[str]:
-        """Ids of the ok rows already in the folder for this run key (none when its rows were made with
-        another target or other parameters); reads only the id and status columns, changes nothing."""
+    def folder_of_key(self) -> Path | None:
+        """Where this key's rows are: the folder, or their kept folder before `take_key`; None if nowhere."""
+        mine = row_key(self.key)
         key_path = self.out_dir / KEY_FILE
-        if not key_path.exists() or not key_matches(json.loads(key_path.read_text()), row_key(self.key)):
+        if key_path.exists() and key_matches(json.loads(key_path.read_text()), mine):
+            return self.out_dir
+        kept = self.kept_root / key_id(mine)
+        return kept if kept.is_dir() else None
+
+    def ok_ids(self, prompts: list[Prompt] | None = None) -> set[str]:
+        """Ids of the ok rows already made for this run key, in the folder or kept aside (none when there are
+        none), less those of `prompts` edited since; reads only columns, changes nothing."""
+        folder = self.folder_of_key()
+        if folder is None:
             return set()
         ok: set[str] = set()
-        for part in self.out_dir.glob(PART_GLOB):
+        parts = sorted(folder.glob(PART_GLOB))
+        for part in parts:
             table = pq.read_table(part, columns=["id", "status"]).to_pydict()
             ok.update(i for i, status in zip(table["id"], table["status"], strict=True) if status == "ok")
-        return ok
+        return ok - edited_ids(parts, prompts, self.responses) if prompts is not None else ok
 
-    def resume(self, wanted: set[str]) -> set[str]:
-        """Leave only ok rows of `wanted` sample ids in the parts (rewriting parts atomically) and return
-        their ids. Parts of another run key are removed."""
+    def resume(self, wanted: set[str], prompts: list[Prompt] | None = None) -> set[str]:
+        """Keep every ok row (once) in the parts, rewriting parts atomically, and return the ids of those
+        `wanted`. Error and skipped rows are dropped (asked again); rows of `prompts` edited since they were
+        sampled move to a `replaced-*.parquet` file. Call `take_key` first."""
         out_dir, phase, events = self.out_dir, self.phase, self.events
         out_dir.mkdir(parents=True, exist_ok=True)
-        for leftover in out_dir.glob(".part-*.tmp-*"):
-            leftover.unlink()
-        key_path = out_dir / KEY_FILE
+        remove_dead_temps(out_dir)
         parts = sorted(out_dir.glob(PART_GLOB))
-        if key_path.exists() and not key_matches(json.loads(key_path.read_text()), row_key(self.key), events, phase):
-            events.record(phase, DECISION, f"target or sampling parameters changed: discarding {len(parts)} parts")
-            for part in parts:
-                part.unlink()
-            parts = []
-        write_text_atomic(key_path, json.dumps(row_key(self.key), sort_keys=True))
+        edited = edited_ids(parts, prompts, self.responses) if prompts is not None else set()
+        write_text_atomic(out_dir / KEY_FILE, json.dumps(row_key(self.key), sort_keys=True))
         (out_dir / f"{SampleSet.kind}.json").unlink(missing_ok=True)
-        kept: set[str] = set()
+        seen: set[str] = set()
         dropped: Counter[str] = Counter()
+        replaced: list[dict[str, Any]] = []
         for part in parts:
             rows = read_part(part)
             keep = []
             for row in rows:
-                if row["status"] == "ok" and row["id"] in wanted and row["id"] not in kept:
+                if row["id"] in edited:
+                    replaced.append(row)
+                elif row["status"] == "ok" and row["id"] not in seen:
                     keep.append(row)
-                    kept.add(row["id"])
+                    seen.add(row["id"])
                 else:
-                    dropped["not asked for" if row["id"] not in wanted else row["status"]] += 1
+                    dropped[row["status"]] += 1
+            if replaced:
+                number = len(list(out_dir.glob(REPLACED_GLOB)))
+                write_part(replaced, out_dir / f"replaced-{number:05d}.parquet")
+                replaced = []
             if not keep:
                 part.unlink()
             elif len(keep) < len(rows):
                 write_part(keep, part)
+        kept = seen & wanted
         if parts:
             events.record(
                 phase,
                 RESUME,
-                f"resuming: {len(kept)} ok rows kept, {len(wanted) - len(kept)} rows to sample",
+                f"resuming: {len(kept)} ok rows kept, {len(wanted) - len(kept)} rows to sample"
+                + (f", {len(seen - wanted)} rows not asked for kept" if seen - wanted else "")
+                + (f", {len(edited)} rows of edited prompts set aside" if edited else ""),
                 kept=len(kept),
+                unasked=len(seen - wanted),
                 dropped=dict(dropped),
             )
         return kept
@@ -238,12 +327,14 @@ class SampleStore:
         return PartWriter(self.out_dir, rows_per_part)
 
     def finish(self, target: TargetModel, prompts: list[Prompt], parts: list[Path] | None = None) -> SampleSet:
-        """Count every row of `parts` (default: the folder's own), check that each response of each prompt
-        has exactly one (`SlicesMismatch` naming the ids otherwise), and save the manifest."""
+        """Count the rows of `prompts` in `parts` (default: the folder's own; other rows are `unasked`), check
+        that each response of each prompt has exactly one (`SlicesMismatch` naming the ids otherwise), and
+        save the manifest."""
         out_dir, key = self.out_dir, self.key
         parts = sorted(out_dir.glob(PART_GLOB)) if parts is None else parts
-        tally = tally_parts(parts)
-        check_each_once(self.sample_ids(prompts), tally.ids.elements(), f"samples at {out_dir}")
+        wanted = self.sample_ids(prompts)
+        tally = tally_parts(parts, set(wanted))
+        check_each_once(wanted, tally.ids.elements(), f"samples at {out_dir}")
         status = tally.status
         sample_set = SampleSet(
             root=str(out_dir),
@@ -260,6 +351,7 @@ class SampleStore:
             errors=tally.errors,
             target_digest=target.digest,
             tokenizer_digest=target.tokenizer_digest,
+            unasked=sorted(tally.unasked),
         )
         sample_set.save()
         return sample_set

@@ -106,11 +106,13 @@ def read_part(path: Path) -> list[dict[str, Any]]:
 
 
 def iter_rows(sample_set: SampleSet, status: str | None = "ok") -> Iterator[dict[str, Any]]:
-    """Rows of every part in the manifest's order, filtered by status (None: all rows)."""
+    """Rows of every part in the manifest's order, filtered by status (None: all rows); rows the set does not
+    hold (`unasked`) are skipped."""
+    unasked = set(sample_set.unasked)
     for record in sample_set.files:
         if record.path.endswith(".parquet"):
             for row in read_part(sample_set.path_of(record.path)):
-                if status is None or row["status"] == status:
+                if (status is None or row["status"] == status) and row["id"] not in unasked:
                     yield row
 
 

@@ -33,7 +33,6 @@ resumes from the last checkpoint).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -48,7 +47,7 @@ from pathlib import Path
 
 from eagle3_core.artifacts import DraftCheckpoint, HiddenStateSet, TargetModel, VocabMap
 from eagle3_core.config import PipelineConfig, dump_config
-from eagle3_core.events import DECISION, RunEvents
+from eagle3_core.events import DECISION, RunEvents, parsed_lines
 from eagle3_core.files import sha256_json, write_text_atomic
 from eagle3_core.hosts import host_slice
 from eagle3_core.preflight import visible_gpus
@@ -211,8 +210,7 @@ class TorchrunLaunch:
 
 def relay(progress_tail: LogTail, events_tail: LogTail, progress: ProgressCallback, log_line: LogCallback) -> None:
     """Hand rank 0's new progress updates to `progress` and the run's new events to `log_line`."""
-    for line in events_tail.read_lines():
-        event = json.loads(line)
+    for event in parsed_lines("\n".join(events_tail.read_lines())):
         log_line(f"[{event['phase']}] {event['message']}")
     for line in progress_tail.read_lines():
         progress(ProgressUpdate.model_validate_json(line))
@@ -265,7 +263,7 @@ def launch_training(
 ) -> DraftCheckpoint:
     """Train in `processes` ranks under torchrun (see the module docstring) and return the checkpoint."""
     layout = RunLayout.of(config)
-    cfg, upstream = phase_config(config), upstream_of(hidden_states, vocab_map, target)
+    cfg, upstream = phase_config(config, training_world(config)), upstream_of(hidden_states, vocab_map, target)
     if (cached := reused_checkpoint(layout.draft.root, cfg, upstream, events)) is not None:
         return cached
     launch_dir = layout.sliced(layout.draft.launch)  # a node's own, when training spans hosts
@@ -303,10 +301,18 @@ def launched_checkpoint(
     """The checkpoint a launch that ended well left in `<run_dir>/draft`; `RankFailed` unless it records
     these inputs and settings."""
     root = RunLayout.of(config).draft.root
-    checkpoint = cached_checkpoint(root, phase_config(config), upstream_of(hidden_states, vocab_map, target))
+    world = training_world(config)
+    checkpoint = cached_checkpoint(root, phase_config(config, world), upstream_of(hidden_states, vocab_map, target))
     if checkpoint is None:
         raise RankFailed(f"torchrun ended well, yet {root} holds no checkpoint of the task's inputs and settings")
     return checkpoint
+
+
+def training_world(config: PipelineConfig) -> int:
+    """The processes that train, on every host together: `training.processes` as this host resolves it, times
+    the hosts of a training spread over hosts (each a node of as many)."""
+    tc = config.training
+    return resolve_processes(tc.processes, tc.device, visible_gpus()) * config.orchestration.hosts
 
 
 def train_draft_on_host(

@@ -12,10 +12,12 @@ uninterrupted run would have. The GPU never waits on the host: the next batches 
 from __future__ import annotations
 
 import math
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,7 +48,7 @@ from eagle3_core.training.loss import (
 from eagle3_core.training.noise import noise_seed, noisy_aux
 from eagle3_core.training.optimizer import build_optimizer
 from eagle3_core.training.selection import EpochSelection
-from eagle3_core.training.state import gather_state, latest_state, load_state, model_state, save_state
+from eagle3_core.training.state import gather_state, load_state, model_state, resumable_states, save_state
 
 PHASE = TRAINING.name
 
@@ -200,6 +202,35 @@ def optimizer_and_schedule(
     return params, optimizer, scheduler
 
 
+def first_loadable_state(
+    state_dir: Path,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    events: RunEvents | None,
+) -> tuple[Path, dict[str, Any]] | None:
+    """(file, restored) of the newest kept state that loads (`state.resumable_states`), each damaged newer one
+    passed over with a DECISION line naming it; None when none is kept or none loads."""
+    damaged: list[str] = []
+    for path in resumable_states(state_dir):
+        try:
+            restored = load_state(path, module, optimizer, scheduler)
+        except (RuntimeError, OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as exc:
+            damaged.append(f"{path.name} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+            continue
+        if damaged and events is not None:
+            events.record(
+                PHASE,
+                DECISION,
+                f"training state {'; '.join(damaged)} unreadable: resuming from {path.name}",
+                damaged=damaged,
+            )
+        return path, restored
+    if damaged and events is not None:
+        events.record(PHASE, DECISION, f"no kept training state loads ({'; '.join(damaged)}): training from step 0")
+    return None
+
+
 def resume_or_start(
     state_dir: Path,
     module: torch.nn.Module,
@@ -214,12 +245,12 @@ def resume_or_start(
     """(step, history, validations) of the newest state in `state_dir`, restored into module, optimizer,
     scheduler and `ema`; else (0, the `initial_metrics` of the untrained draft, when given, as the history's
     first row, no validations)."""
-    resume_from = latest_state(state_dir)
-    if resume_from is None:
+    loaded = first_loadable_state(state_dir, module, optimizer, scheduler, events if group.is_main else None)
+    if loaded is None:
         if initial_metrics is None:
             return 0, [], []
         return 0, [{"step": 0, **{f"initial_{k}": v for k, v in initial_metrics().items()}}], []
-    restored = load_state(resume_from, module, optimizer, scheduler)
+    resume_from, restored = loaded
     step, history = restored["step"], restored["history"]
     if ema is not None:
         ema.load_state_dict(restored["ema"])

@@ -6,8 +6,8 @@ vLLM/SGLang-loadable folder to `<run_dir>/draft/export/` with the resumable stat
 from __future__ import annotations
 
 import json
+import os
 import pickle
-import shutil
 from pathlib import Path
 
 import torch
@@ -19,7 +19,8 @@ from eagle3_core.draft.export import export_draft, load_exported, sglang_ignores
 from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_core.draft.shape import trained_draft_config, turned_off_for_sglang
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
-from eagle3_core.files import UnreadableFile, folder_identity, sha256_json, write_text_atomic
+from eagle3_core.files import UnreadableFile, folder_identity, remove_dead_temps, sha256_json, write_text_atomic
+from eagle3_core.kept import switch_key
 from eagle3_core.phases import TRAINING, phase_key
 from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.release.card import write_model_card
@@ -35,10 +36,18 @@ from eagle3_core.vocab import load_vocab_tensors
 KEY_FILE = "key.json"
 
 
-def phase_config(config: PipelineConfig) -> dict:
+def phase_config(config: PipelineConfig, world: int = 1) -> dict:
     """The training fields marked content (not where it runs, how it is sharded, how often it saves or
-    whether it is compiled) and the files of the warm-start checkpoint, if any."""
-    return {**phase_key(config, TRAINING), "warm_start": folder_identity(config.training.warm_start)}
+    whether it is compiled), the files of the warm-start checkpoint, if any, and the processes that train
+    (`world`: `training.batch_size` is per process, so their number makes the global batch and the schedule;
+    left out for one, the key of every run before it was keyed)."""
+    cfg = {**phase_key(config, TRAINING), "warm_start": folder_identity(config.training.warm_start)}
+    return cfg if world == 1 else {**cfg, "world": world}
+
+
+def rank_world() -> int:
+    """The processes training together, as torchrun tells each of them (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def upstream_of(hidden_states: HiddenStateSet, vocab_map: VocabMap, target: TargetModel) -> dict[str, str]:
@@ -65,16 +74,33 @@ def reused_checkpoint(out_dir: Path, cfg: dict, upstream: dict, events: RunEvent
     return cached
 
 
-def prepare_state_dir(state_dir: Path, key: str, events: RunEvents, group: Group) -> None:
-    """Keep a resumable state only if it was made with this key; a stale one is removed, not resumed."""
+def stored_key(key_path: Path) -> dict | None:
+    """The key file of a state folder ({"key", and since they were recorded "config", "upstream"}), else None."""
+    try:
+        stored = json.loads(key_path.read_text())
+    except (OSError, ValueError):
+        return None
+    return stored if isinstance(stored, dict) and isinstance(stored.get("key"), str) else None
+
+
+def prepare_state_dir(state_dir: Path, key: dict, events: RunEvents, group: Group, kept_root: Path) -> None:
+    """Resume only a state made with this key (`key`: its "key" digest, its "config" and "upstream"). The states
+    of another key are set aside under `kept_root/<key id>` (`eagle3_core.kept`), not removed, and those of this
+    key come back from there; temporary files of a killed writer are removed."""
     if group.is_main:
         key_path = state_dir / KEY_FILE
-        if key_path.exists() and json.loads(key_path.read_text())["key"] != key:
-            events.record(PHASE, DECISION, "discarding training state made from other inputs or settings")
-            shutil.rmtree(state_dir)
+        stored = stored_key(key_path)
+        for line in switch_key(state_dir, kept_root, KEY_FILE, stored, key, state_key_id, "training state"):
+            events.record(PHASE, DECISION, line)
         state_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(key_path, json.dumps({"key": key}))
+        remove_dead_temps(state_dir)
+        write_text_atomic(key_path, json.dumps(key))
     barrier(group)
+
+
+def state_key_id(key: dict) -> str:
+    """The kept folder name of a state key: its digest's first 16 hex digits."""
+    return key["key"][:16]
 
 
 VOCAB_TENSORS = ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight")
@@ -131,7 +157,7 @@ def train_draft(
     progress: ProgressCallback = ignore_progress,
 ) -> DraftCheckpoint:
     """Train (or resume, or reuse) the draft and return its checkpoint manifest."""
-    cfg, upstream = phase_config(config), upstream_of(hidden_states, vocab_map, target)
+    cfg, upstream = phase_config(config, rank_world()), upstream_of(hidden_states, vocab_map, target)
     if (cached := reused_checkpoint(RunLayout.of(config).draft.root, cfg, upstream, events)) is not None:
         return cached
     with process_group(config.training.device) as group:  # left once the draft and its optimizer are freed
@@ -179,7 +205,8 @@ def train_ranks(
             device=str(group.device),
         )
     state_dir = draft_dir.state
-    prepare_state_dir(state_dir, sha256_json({"config": cfg, "upstream": upstream}), events, group)
+    state_key = {"key": sha256_json({"config": cfg, "upstream": upstream}), "config": cfg, "upstream": upstream}
+    prepare_state_dir(state_dir, state_key, events, group, RunLayout.of(config).kept(state_dir))
     objective = TTTObjective(
         draft, tc.ttt_steps, tc.step_weight, tc.attention, tc.mask_out_of_vocab, tc.target_temperature
     )

@@ -140,6 +140,18 @@ def latest_state(state_dir: Path) -> Path | None:
     return path if path.exists() else None
 
 
+def resumable_states(state_dir: Path) -> list[Path]:
+    """The state files to resume from, best first: the one `latest.json` names, then every other kept
+    `step-*.pt`, newest first (a damaged newest state falls back to the one before it; a `latest.json` that is
+    unreadable, or was not yet written when a kill came, falls back to the newest file)."""
+    try:
+        named = latest_state(state_dir)
+    except UnreadableFile:
+        named = None
+    newest_first = sorted(state_dir.glob("step-*.pt"), reverse=True)
+    return [*([named] if named else []), *(path for path in newest_first if path != named)]
+
+
 def load_state(
     path: Path,
     module: nn.Module,

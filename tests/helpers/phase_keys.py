@@ -9,7 +9,7 @@ from typing import Any
 from eagle3_core.config import PipelineConfig
 from eagle3_core.evaluation.phase import measurement_keys, verdict_fields
 from eagle3_core.evaluation.prompts import EvalPrompt
-from eagle3_core.extraction.phase import phase_config as extraction_key
+from eagle3_core.extraction.phase import folder_key as extraction_key
 from eagle3_core.sampling.store import run_key
 from eagle3_core.training.phase import phase_config as training_key
 from eagle3_core.vocab import phase_config as vocab_key
@@ -23,7 +23,7 @@ def core_key(config: PipelineConfig, phase: str) -> Any:
     """What the core phase compares before resuming or reusing its folder."""
     if phase == "sampling":
         return run_key(config, TARGET, [])
-    if phase == "extraction":
+    if phase == "extraction":  # the folder's key; its shard layout is kept by the folder (`shard_size`)
         return extraction_key(config, TARGET)
     if phase == "vocab":
         return vocab_key(config, TARGET)

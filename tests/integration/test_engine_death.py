@@ -10,6 +10,7 @@ share one run directory and run in order (extraction reads the samples)."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 from uuid import UUID
@@ -156,7 +157,9 @@ def test_engine_killed_mid_extraction_is_restarted_once_and_extracts_only_the_mi
     death: str,
 ):
     config = small_config(run_dir)
-    config.extraction.samples_per_shard = samples_per_shard  # a new plan: every shard is extracted again
+    config.extraction.samples_per_shard = samples_per_shard
+    # Every shard extracted again: a changed samples_per_shard alone keeps the folder's layout and its states.
+    shutil.rmtree(RunLayout(run_dir).hidden_states, ignore_errors=True)
     state, message, attempts, events = run(sample_and_extract_flow, config, smollm2_target, fault, monkeypatch)
     assert (state, attempts) == ("Completed", 2), message
     assert count(events, WEIGHT_LOAD, "sampling") == 0, "sampling is cached"

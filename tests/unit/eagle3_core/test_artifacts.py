@@ -80,3 +80,13 @@ def test_edited_manifest_is_refused(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ArtifactInvalid, match="digest does not match"):
         SampleSet.load(path)
+
+
+def test_a_sample_set_without_unasked_rows_keeps_the_digest_it_had_before_they_were_recorded(tmp_path):
+    """`unasked` (rows kept for a larger prompt set) is digested only where there are some: every SampleSet
+    written before it keeps its digest, and with it every downstream cache key."""
+    sample_set = SampleSet(root=str(tmp_path), ok=2, config={"sampling": {"temperature": 0.0}})
+    content = sample_set.model_dump(mode="json", exclude={"root", "digest", "responses_per_prompt", "unasked"})
+    content["files"] = []
+    assert sample_set.digest == artifacts.sha256_json({"kind": SampleSet.kind, **content})
+    assert sample_set.model_copy(update={"unasked": ["p9"]}).digest != sample_set.digest

@@ -157,7 +157,9 @@ def test_a_sample_folder_from_before_the_dtype_was_keyed_is_kept_and_says_so(hos
     (samples / KEY_FILE).write_text(json.dumps(legacy))
     assert len(ok_ids(samples, run_key(config, smollm2_target, prompts))) == 4
     events = RunEvents(tmp_path)
-    kept = SampleStore(samples, run_key(config, smollm2_target, prompts), events, "x").resume({p.id for p in prompts})
+    store = SampleStore(samples, run_key(config, smollm2_target, prompts), events, "x")
+    store.take_key()
+    kept = store.resume({p.id for p in prompts})
     assert len(kept) == 4
     assert any("before the serving dtype was part of their key" in e["message"] for e in events.read())
     assert json.loads((samples / KEY_FILE).read_text())["server"]["dtype"] == "float32", "key file upgraded"

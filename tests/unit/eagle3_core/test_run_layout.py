@@ -35,5 +35,5 @@ def test_the_engine_writes_the_pid_file_the_flow_hooks_find(tmp_path: Path):
 def test_the_promoted_drafter_keeps_the_draft_layout(tmp_path: Path):
     layout = RunLayout(tmp_path)
     assert layout.current.draft.export == tmp_path / "current" / "draft" / "export"
-    assert layout.current.beside(".new").draft.export == tmp_path / "current.new" / "draft" / "export"
+    assert layout.current.version("1").draft.export == tmp_path / "current.d" / "1" / "draft" / "export"
     assert layout.draft.state.parent == layout.draft.export.parent == layout.draft.root

@@ -51,7 +51,7 @@ TASKS = {
 CHANGES: dict[str, tuple[tuple[str, Any], tuple[str, Any]]] = {
     "prepare_target": (("orchestration.retries", 4), ("target.dtype", "float32")),
     "sampling": (("sampling.concurrency", 3), ("sampling.max_tokens", 17)),
-    "extraction": (("extraction.batch_size", 3), ("extraction.samples_per_shard", 5)),
+    "extraction": (("extraction.samples_per_shard", 5), ("extraction.dtype", "fp8")),
     "vocab": (("orchestration.progress_interval_s", 9.0), ("vocab.draft_vocab_size", 100)),
     "training": (("training.sharding", "fsdp2"), ("training.lr", 3e-4)),
     "evaluation": (("evaluation.cpu_threads", 1), ("evaluation.max_new_tokens", 17)),

@@ -1,9 +1,13 @@
 """The nightly flow's promotion rules, on real files (no Prefect run, no engine): the better drafter
-becomes `current` as a copied folder, and the next run warm-starts from its export."""
+becomes `current` (a symlink to a complete copy), and the next run warm-starts from its export; a crash
+between any two steps of a promotion leaves a `current`."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import pytest
 
 from eagle3_core.artifacts import DraftCheckpoint, EvalReport, FileRecord
 from eagle3_core.config import PipelineConfig
@@ -49,4 +53,61 @@ def test_promotion_keeps_the_better_drafter_and_warm_starts_from_it(tmp_path: Pa
     promote(config, second, report(config.run_dir, 1.6))
     assert load_current(config).acceptance_length == 1.6
     assert (RunLayout.of(config).current.draft.export / "model.safetensors").read_bytes() == b"second"
-    assert sorted(p.name for p in config.run_dir.iterdir()) == ["current", "draft"]
+    assert sorted(p.name for p in config.run_dir.iterdir()) == ["current", "current.d", "draft"]
+    assert len(list((config.run_dir / "current.d").iterdir())) == 2, "the new copy and the one it replaced"
+
+
+def promoted_weights(config: PipelineConfig) -> bytes:
+    return (RunLayout.of(config).current.draft.export / "model.safetensors").read_bytes()
+
+
+def killed_at(step: str, real=os.replace):
+    """A stand-in for `shutil.copytree` or `os.replace` that kills the promotion at `step`: the copy of the
+    export, or the swap of `current` (the rename of its `.link`); other renames go through."""
+
+    def stand_in(*args, **kwargs):
+        if step == "copy" or str(args[0]).endswith(".link"):
+            raise KeyboardInterrupt  # as a kill would stop the promotion there
+        return real(*args, **kwargs)
+
+    return stand_in
+
+
+@pytest.mark.parametrize(("step", "target"), [("copy", "shutil.copytree"), ("swap", "os.replace")])
+def test_a_promotion_killed_at_any_step_leaves_the_old_current(tmp_path: Path, monkeypatch, step, target):
+    config = PipelineConfig(run_dir=tmp_path / "run")
+    promote(config, fake_checkpoint(config.run_dir, b"first"), report(config.run_dir, 1.4))
+    monkeypatch.setattr(target, killed_at(step))
+    with pytest.raises(KeyboardInterrupt):
+        promote(config, fake_checkpoint(config.run_dir, b"second"), report(config.run_dir, 1.6))
+    monkeypatch.undo()
+    assert promoted_weights(config) == b"first" and load_current(config).acceptance_length == 1.4
+    promote(config, fake_checkpoint(config.run_dir, b"second"), report(config.run_dir, 1.6))
+    assert promoted_weights(config) == b"second"
+
+
+def test_a_current_lost_between_two_renames_of_an_earlier_version_is_restored(tmp_path: Path):
+    """Earlier versions renamed `current` to `current.old`, then `current.new` to `current`: a kill between
+    the two left no `current`. It is found back, and the next promotion replaces it."""
+    config = PipelineConfig(run_dir=tmp_path / "run")
+    promote(config, fake_checkpoint(config.run_dir, b"first"), report(config.run_dir, 1.4))
+    current = RunLayout.of(config).current.root
+    copy = current.resolve()
+    current.unlink()
+    copy.rename(config.run_dir / "current.old")
+    assert load_current(config).acceptance_length == 1.4 and promoted_weights(config) == b"first"
+    promote(config, fake_checkpoint(config.run_dir, b"second"), report(config.run_dir, 1.6))
+    assert promoted_weights(config) == b"second" and current.is_symlink()
+
+
+def test_a_copied_current_folder_of_an_earlier_version_becomes_a_symlink_once_the_new_copy_is_complete(
+    tmp_path: Path,
+):
+    config = PipelineConfig(run_dir=tmp_path / "run")
+    promote(config, fake_checkpoint(config.run_dir, b"first"), report(config.run_dir, 1.4))
+    current = RunLayout.of(config).current.root
+    copy = current.resolve()
+    current.unlink()
+    copy.rename(current)  # a copied folder, as earlier versions left it
+    promote(config, fake_checkpoint(config.run_dir, b"second"), report(config.run_dir, 1.6))
+    assert current.is_symlink() and promoted_weights(config) == b"second"

@@ -18,7 +18,15 @@ from prefect import flow, task
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
 
-from eagle3_core.artifacts import DraftCheckpoint, FileRecord, HiddenStateSet, Manifest, TargetModel, VocabMap
+from eagle3_core.artifacts import (
+    DraftCheckpoint,
+    FileRecord,
+    HiddenStateSet,
+    Manifest,
+    SampleSet,
+    TargetModel,
+    VocabMap,
+)
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.extraction.storage import ShardError
@@ -156,6 +164,35 @@ def test_cache_hit_with_changed_files_is_recomputed(config: PipelineConfig):
     assert events.count(CACHE_HIT, "unit") == 0
     assert any("cached result invalid" in e["message"] for e in events.read() if e["event"] == DECISION)
     assert unit_flow(config) == "Cached"
+
+
+ERRORS_LEFT: list[int] = []
+
+
+@task(**phase_task_options(UNIT_POLICY))
+def sampling_like_task(config: PipelineConfig) -> SampleSet:
+    """A SampleSet whose error rows are the next of ERRORS_LEFT (as a sampling run that retried them)."""
+    root = Path(config.run_dir) / "samples"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "part-00000.parquet").write_text("rows")
+    sample_set = SampleSet(root=str(root), files=[FileRecord.of(root / "part-00000.parquet", root)])
+    sample_set.error = ERRORS_LEFT.pop(0)
+    sample_set.save()
+    return sample_set
+
+
+@flow
+def sampling_like_flow(config: PipelineConfig) -> str:
+    return configured(sampling_like_task, config, "unit")(config, return_state=True).name
+
+
+def test_a_sample_set_with_error_rows_is_not_a_final_result(config: PipelineConfig):
+    """`eagle3 run` retries error rows as `eagle3 sample` does: a stored SampleSet with errors runs again."""
+    ERRORS_LEFT[:] = [2, 0]
+    assert sampling_like_flow(config) == "Completed"
+    assert sampling_like_flow(config) == "Completed", "the error rows were never retried"
+    assert any("2 error rows are retried" in e["message"] for e in RunEvents(config.run_dir).read())
+    assert sampling_like_flow(config) == "Cached"
 
 
 def test_result_storage_is_configurable(config: PipelineConfig, tmp_path: Path):

@@ -62,12 +62,16 @@ def test_the_field_takes_auto_or_a_positive_count() -> None:
             load_config(None, [f"training.processes={bad}"])
 
 
-def test_the_process_count_is_in_no_cache_key(tmp_path: Path) -> None:
-    one = PipelineConfig(run_dir=tmp_path)
-    many = one.model_copy(deep=True)
-    many.training.processes = 8
-    assert phase_config(one) == phase_config(many)  # the core's checkpoint and resume key
-    assert TRAINING_POLICY.key_content(one, {}) == TRAINING_POLICY.key_content(many, {})  # Prefect's
+def test_the_processes_training_together_are_in_the_keys_as_the_global_batch(tmp_path: Path) -> None:
+    """`training.batch_size` is per process: two processes train another schedule than one. One process keys
+    as every run did before the count was keyed."""
+    one = PipelineConfig(run_dir=tmp_path, training={"device": "cpu"})
+    two = one.model_copy(deep=True)
+    two.training.processes = 2
+    assert phase_config(one, 2) != phase_config(one, 1) == phase_config(one)  # the core's checkpoint and resume key
+    assert "world" not in phase_config(one)
+    assert TRAINING_POLICY.key_content(one, {}) != TRAINING_POLICY.key_content(two, {})  # Prefect's
+    assert TRAINING_POLICY.key_content(one, {})["extra"] is None, "one process: the key of runs before it"
 
 
 def test_the_launch_is_torchrun_running_eagle3_train(tmp_path: Path) -> None:
