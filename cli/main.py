@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from contextlib import ExitStack
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, ParamSpec, TypeVar
@@ -25,6 +26,7 @@ from eagle3_core.server_defaults import record_server_decision, resolved_server_
 ManifestT = TypeVar("ManifestT", bound=Manifest)
 P = ParamSpec("P")
 DEBUG: ContextVar[bool] = ContextVar("debug", default=False)  # `--debug`: tracebacks for every failure
+HELD: ContextVar[ExitStack | None] = ContextVar("held", default=None)  # what the running command holds until it ends
 
 app = typer.Typer(
     cls=PipelineGroup, add_completion=False, no_args_is_help=True, help="Train EAGLE-3 drafters end to end."
@@ -64,6 +66,18 @@ def run_target(
     return events, target
 
 
+def hold_run_dir(cfg: PipelineConfig) -> None:
+    """Hold the run folder's writer lock (of this host's slice) until the command ends (`eagle3_core.run_lock`):
+    a second writer of the same run folder is refused naming this one, and this one is refused while another
+    writes. Taken before anything is written."""
+    from eagle3_core.hosts import host_slice
+    from eagle3_core.run_lock import run_dir_lock
+
+    held = HELD.get()
+    assert held is not None, "hold_run_dir is for a command's body"
+    held.enter_context(run_dir_lock(cfg.run_dir, host_slice(cfg)))
+
+
 def load_upstream(kind: type[ManifestT], folder: Path, made_by: str) -> ManifestT:
     """The manifest an earlier phase wrote in `folder`, or exit naming the command that makes it."""
     if not (folder / f"{kind.kind}.json").is_file():
@@ -85,6 +99,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from eagle3_core.files import DiskFullError, UnreadableFile
     from eagle3_core.preflight import PreflightError
     from eagle3_core.release.hub import HubError
+    from eagle3_core.run_lock import RunDirBusy
     from eagle3_core.sampling.prompts import PromptFileError
     from eagle3_core.serving.engine import ServerError
     from eagle3_core.target.hub import HubTargetError
@@ -92,24 +107,27 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     paths = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
     return (*paths, ConfigError, PromptFileError, ServerError, PreflightError, DiskFullError, ShardError,
-            ArtifactInvalid, StaleVocabMap, UnreadableFile, HubTargetError, HubError)  # fmt: skip
+            ArtifactInvalid, StaleVocabMap, UnreadableFile, HubTargetError, HubError, RunDirBusy)  # fmt: skip
 
 
 def command(name: str) -> Callable[[Callable[P, None]], Callable[P, None]]:
     """`app.command(name)` with the one prologue every command shares: a failure the user can act on ends
     it with one `error:` line and exit status 1 (the work already on disk is kept; the same command
-    resumes after it), unless `--debug` asks for the traceback."""
+    resumes after it), unless `--debug` asks for the traceback; what the command holds (`hold_run_dir`) is
+    released when it ends."""
 
     def register(function: Callable[P, None]) -> Callable[P, None]:
         @functools.wraps(function)
         def run(*args: P.args, **kwargs: P.kwargs) -> None:
-            try:
-                function(*args, **kwargs)
-            except user_errors() as exc:
-                if DEBUG.get():
-                    raise
-                print_error(str(exc))
-                raise typer.Exit(1) from None
+            with ExitStack() as held:
+                HELD.set(held)
+                try:
+                    function(*args, **kwargs)
+                except user_errors() as exc:
+                    if DEBUG.get():
+                        raise
+                    print_error(str(exc))
+                    raise typer.Exit(1) from None
 
         return app.command(name, cls=PipelineCommand)(run)
 
@@ -164,6 +182,7 @@ def prepare_target_command(
     from eagle3_core.progress import rich_progress
 
     cfg = resolve_config(config, (set_ or []) + ([f"target.model={model}"] if model else []))
+    hold_run_dir(cfg)
     with rich_progress() as progress:
         _, target = run_target(cfg, progress=progress)
     console.print(target.model_dump_json(indent=2, exclude={"files"}), highlight=False, markup=False)
@@ -191,6 +210,7 @@ def run_command(
         print_plan(resolve_config(config, set_, on_this_host=False), None)
         return
     cfg = resolve_config(config, set_)
+    hold_run_dir(cfg)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
     # The ephemeral API server gets 20 s to start by default: too little on a busy 2-core machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
@@ -243,6 +263,7 @@ def extract_command(
     from eagle3_core.progress import rich_progress
 
     cfg = resolve_config(config, set_)
+    hold_run_dir(cfg)
     sample_set = load_upstream(SampleSet, samples or RunLayout.of(cfg).samples, "sample")
     events, target = run_target(cfg, "extraction")
     with rich_progress() as progress:
@@ -267,6 +288,7 @@ def evaluate_command(
     from eagle3_core.progress import rich_progress
 
     cfg = resolve_config(config, set_)
+    hold_run_dir(cfg)
     checkpoint = checkpoint_of(draft or RunLayout.of(cfg).draft.root)
     sample_dir = RunLayout.of(cfg).samples
     sample_set = SampleSet.load(sample_dir) if (sample_dir / f"{SampleSet.kind}.json").is_file() else None
@@ -296,6 +318,7 @@ def sample_command(config: ConfigOption = None, set_: SetOption = None) -> None:
     from eagle3_core.sampling.phase import sample_prompts
 
     cfg = resolve_config(config, set_)
+    hold_run_dir(cfg)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one log line per request otherwise
     events, target = run_target(cfg, "sampling")
     with rich_progress() as progress:
@@ -325,6 +348,7 @@ def vocab_command(
     from eagle3_core.vocab import build_vocab_map
 
     cfg = resolve_config(config, set_)
+    hold_run_dir(cfg)
     sample_set = load_upstream(SampleSet, samples or RunLayout.of(cfg).samples, "sample")
     events, target = run_target(cfg)
     vocab_map = build_vocab_map(cfg, sample_set, target, events)
@@ -348,6 +372,8 @@ def train_command(
     state); exports the vLLM-loadable folder to <run_dir>/draft/export. Under torchrun: one process per GPU
     (the flow's training task launches it so for training.processes > 1); a failing rank's error is recorded
     for torchrun."""
+    import os
+
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from eagle3_core.artifacts import HiddenStateSet, VocabMap
@@ -356,6 +382,8 @@ def train_command(
     from eagle3_core.training.phase import train_draft
 
     cfg = resolve_config(config, set_)
+    if int(os.environ.get("RANK", "0")) == 0:  # the other ranks of a torchrun write under rank 0's lock
+        hold_run_dir(cfg)
     layout = RunLayout.of(cfg)
     hidden = load_upstream(HiddenStateSet, hidden_states or layout.hidden_states, "extract")
     vocab_map = load_upstream(VocabMap, vocab or layout.vocab, "vocab")
@@ -393,6 +421,7 @@ def export_command(
         check_repo_id(push_to_hub)
         hub_token()
     cfg = resolve_config(config, set_)
+    hold_run_dir(cfg)
     layout = RunLayout.of(cfg)
     _, target = run_target(cfg)
     folder = out or layout.draft.export
@@ -440,6 +469,7 @@ def serve_command(
         print_error(f"--engine {engine!r}: vllm or sglang")
         raise typer.Exit(1)
     cfg = resolve_config(config, (set_ or []) + ([f"server.port={port}"] if port is not None else []))
+    hold_run_dir(cfg)
     export_dir = export_folder(draft or RunLayout.of(cfg).draft.root)
     events, target = run_target(cfg)
     cfg, served = plan(cfg, engine, target.root_path, export_dir, k)  # type: ignore[arg-type]
