@@ -78,6 +78,30 @@ def hold_run_dir(cfg: PipelineConfig) -> None:
     held.enter_context(run_dir_lock(cfg.run_dir, host_slice(cfg)))
 
 
+def hold_gpu_slot(cfg: PipelineConfig, events: RunEvents, phase: str) -> None:
+    """Hold the `gpu` slot (`orchestration.gpu_limit`) until the command ends, as the flow's task of `phase`
+    does: a phase command waits while a flow or another command uses the accelerator, saying whom it waits
+    for. Where a Prefect server is set (PREFECT_API_URL: the slot its flows and workers share), or on a host
+    with CUDA GPUs (a temporary Prefect server then, as `eagle3 run` starts); a CPU host without a Prefect
+    server has no accelerator to share and starts none. Not inside a training launch: its task holds it."""
+    import os
+
+    from prefect.settings import get_current_settings
+
+    from eagle3_core.preflight import visible_gpus
+    from eagle3_core.training.launch import LAUNCH_ENV
+
+    if LAUNCH_ENV in os.environ or not (get_current_settings().api.url or visible_gpus()):
+        return
+    from flows.temporary_server import own_temporary_server
+    from tasks.gpu_slot import gpu_slot
+
+    held = HELD.get()
+    assert held is not None, "hold_gpu_slot is for a command's body"
+    own_temporary_server(events)
+    held.enter_context(gpu_slot(cfg.orchestration.gpu_limit, events, phase=phase))
+
+
 def load_upstream(kind: type[ManifestT], folder: Path, made_by: str) -> ManifestT:
     """The manifest an earlier phase wrote in `folder`, or exit naming the command that makes it."""
     if not (folder / f"{kind.kind}.json").is_file():
@@ -266,6 +290,7 @@ def extract_command(
     hold_run_dir(cfg)
     sample_set = load_upstream(SampleSet, samples or RunLayout.of(cfg).samples, "sample")
     events, target = run_target(cfg, "extraction")
+    hold_gpu_slot(cfg, events, "extraction")
     with rich_progress() as progress:
         hidden = extract_hidden_states(cfg, sample_set, target, events, progress=progress)
     console.print(hidden.model_dump_json(indent=2, exclude={"files"}), highlight=False, markup=False)
@@ -293,6 +318,7 @@ def evaluate_command(
     sample_dir = RunLayout.of(cfg).samples
     sample_set = SampleSet.load(sample_dir) if (sample_dir / f"{SampleSet.kind}.json").is_file() else None
     events, target = run_target(cfg, "evaluation")
+    hold_gpu_slot(cfg, events, "evaluation")
     if sample_set is None:
         console.print(f"[yellow]no SampleSet in {sample_dir}: measuring HumanEval only[/yellow]")
     try:
@@ -321,6 +347,7 @@ def sample_command(config: ConfigOption = None, set_: SetOption = None) -> None:
     hold_run_dir(cfg)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one log line per request otherwise
     events, target = run_target(cfg, "sampling")
+    hold_gpu_slot(cfg, events, "sampling")
     with rich_progress() as progress:
         sample_set = sample_prompts(cfg, target, events, progress=progress)
     each = f" x {sample_set.responses_per_prompt} responses" if sample_set.responses_per_prompt > 1 else ""
@@ -388,6 +415,8 @@ def train_command(
     hidden = load_upstream(HiddenStateSet, hidden_states or layout.hidden_states, "extract")
     vocab_map = load_upstream(VocabMap, vocab or layout.vocab, "vocab")
     events, target = run_target(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        hold_gpu_slot(cfg, events, "training")
     with launched_rank() or rich_progress() as progress:
         checkpoint = record(train_draft)(cfg, hidden, vocab_map, target, events, progress=progress)
     metrics = {k: round(v, 4) for k, v in checkpoint.metrics.items() if k.startswith(("val_", "initial_val_top1"))}

@@ -85,11 +85,12 @@ def open_lock(path: Path) -> int | None:
         os.close(fd)
 
 
-def make_run_dir(run_dir: Path) -> bool:
-    """Create `run_dir` (True when it was not there); a file or an unwritable folder is one clear error."""
+def make_run_dir(run_dir: Path) -> list[Path]:
+    """Create `run_dir`; returns the folders created, innermost first. A file or an unwritable folder is one
+    clear error."""
     if run_dir.exists() and not run_dir.is_dir():
         raise NotADirectoryError(f"run_dir {run_dir} is a file, not a folder: set run_dir to a folder")
-    created = not run_dir.exists()
+    created = [folder for folder in [run_dir, *run_dir.absolute().parents] if not folder.exists()]
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except PermissionError:
@@ -126,6 +127,7 @@ def run_dir_lock(
     finally:
         if created and [p.name for p in run_dir.iterdir()] == [path.name]:  # nothing written: leave no folder
             path.unlink(missing_ok=True)
-            with contextlib.suppress(OSError):
-                run_dir.rmdir()
+            with contextlib.suppress(OSError):  # a folder another process wrote into meanwhile stays
+                for folder in created:
+                    folder.rmdir()
         os.close(fd)

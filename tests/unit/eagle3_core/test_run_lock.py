@@ -75,7 +75,7 @@ def test_a_command_that_wrote_nothing_leaves_no_run_folder_and_a_run_folder_with
     run_dir = tmp_path / "new" / "run"
     with run_dir_lock(run_dir):
         assert run_dir.is_dir()
-    assert not run_dir.exists()
+    assert not (tmp_path / "new").exists()
     with run_dir_lock(run_dir):
         (run_dir / "events.jsonl").write_text("")
     assert sorted(p.name for p in run_dir.iterdir()) == [".writer.lock", "events.jsonl"]
