@@ -13,9 +13,9 @@ from typing import Annotated, ParamSpec, TypeVar
 import typer
 from rich.console import Console
 
-from cli.pipeline_group import PipelineCommand, PipelineGroup, print_error
+from cli.pipeline_group import PipelineCommand, PipelineGroup, print_error, print_warning
 from eagle3_core.artifacts import ArtifactInvalid, Manifest, TargetModel
-from eagle3_core.config import ConfigError, PipelineConfig, dump_config, load_config
+from eagle3_core.config import ConfigError, PipelineConfig, config_warnings, dump_config, load_config
 from eagle3_core.devices import DeviceFacts
 from eagle3_core.dtypes import dtype_decision, record_dtype_decision
 from eagle3_core.events import RunEvents
@@ -41,12 +41,14 @@ SetOption = Annotated[list[str] | None, typer.Option("--set", "-s", help="Overri
 
 def resolve_config(config: Path | None, overrides: list[str] | None, on_this_host: bool = True) -> PipelineConfig:
     """Load the config or exit with the error that names the field and file; `on_this_host`: with its `auto`
-    server fields as this host runs them (`eagle3_core.server_defaults`)."""
+    server fields as this host runs them (`eagle3_core.server_defaults`). Its warnings are shown first."""
     try:
         loaded = load_config(config, overrides or [])
     except ConfigError as exc:
         print_error(str(exc))
         raise typer.Exit(1) from None
+    for warning in config_warnings(loaded):
+        print_warning(warning)
     return resolved_server_config(loaded) if on_this_host else loaded
 
 

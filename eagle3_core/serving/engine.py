@@ -30,7 +30,7 @@ from eagle3_core.serving.lifecycle import (
     PortInUseError,
     free_port,
 )
-from eagle3_core.serving.processes import ServerError, stop_server
+from eagle3_core.serving.processes import ServerError, expand_references, stop_server
 
 __all__ = [
     "EngineDied",
@@ -174,9 +174,9 @@ def server_variables(config: ServerConfig) -> dict[str, str]:
 
 
 def build_env(config: ServerConfig, api_key: str | None) -> dict[str, str]:
-    """The parent's environment and `server_variables`; the API key travels in the environment
-    (VLLM_API_KEY), never on the command line where `ps` would show it."""
-    env = {**os.environ, **server_variables(config)}
+    """The parent's environment and `server_variables` (their `$VAR` references expanded); the API key
+    travels in the environment (VLLM_API_KEY), never on the command line where `ps` would show it."""
+    env = {**os.environ, **expand_references(server_variables(config))}
     if api_key:
         env["VLLM_API_KEY"] = api_key
     return env

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 
+from eagle3_core.config import env_reference
 from eagle3_core.files import write_text_atomic
 from eagle3_core.gpus import gpu_compute_apps
 from eagle3_core.identity import ProcessIdentity
@@ -29,6 +30,19 @@ POLL_S = 0.5
 
 class ServerError(RuntimeError):
     """The server could not be started or stopped; the message carries the log's last lines."""
+
+
+def expand_references(variables: dict[str, str], environ: dict[str, str] | None = None) -> dict[str, str]:
+    """`variables` with every `$VAR` value replaced by this process's variable (`environ`, default
+    `os.environ`), at the last moment: a secret passed so is in the engine's environment only, never in
+    a file. A variable that is not set is a `ServerError` naming it."""
+    environ = dict(os.environ) if environ is None else environ
+    missing = [
+        f"{name}=${ref}" for name, value in variables.items() if (ref := env_reference(value)) and ref not in environ
+    ]
+    if missing:
+        raise ServerError(f"{', '.join(missing)}: not set in this process's environment; export it, then run again")
+    return {name: environ[ref] if (ref := env_reference(value)) else value for name, value in variables.items()}
 
 
 def wait_gpu_release(

