@@ -825,6 +825,12 @@ class EvaluationConfig(Section):
         json_schema_extra=added(evaluation=VLLM),
     )
 
+    @model_validator(mode="after")
+    def _something_to_measure(self) -> EvaluationConfig:
+        if not (self.with_transformers or self.with_vllm):
+            raise ValueError("with_transformers and with_vllm are both off: nothing would be measured; turn one on")
+        return self
+
     @field_validator("sglang_args")
     @classmethod
     def _our_flags_are_ours(cls, args: list[str]) -> list[str]:

@@ -299,7 +299,13 @@ def load_exported(path: Path | str, target_dir: Path | str | None = None) -> Eag
     from safetensors.torch import load_file
 
     path = Path(path)
-    draft = Eagle3Draft(config_from_hf(read_draft_config(path)))
+    try:
+        config = config_from_hf(read_draft_config(path))
+    except KeyError as exc:
+        raise UnreadableFile(
+            f"{path / 'config.json'}: no {exc.args[0]} (a draft's config states it); {DRAFT_REMEDY}"
+        ) from None
+    draft = Eagle3Draft(config)
     try:
         weights = load_file(path / "model.safetensors")
     except SafetensorError as exc:

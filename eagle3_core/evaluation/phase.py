@@ -228,8 +228,6 @@ def evaluate_draft(
     upstream = {"draft_checkpoint": checkpoint.digest, "target_model": target.digest}
     if sample_set is not None:
         upstream["sample_set"] = sample_set.digest
-    if not (config.evaluation.with_transformers or config.evaluation.with_vllm):
-        raise ValueError("evaluation.with_transformers and evaluation.with_vllm are both false: nothing to measure")
     prompts = collect_prompts(config, sample_set)
     key_a, key = measurement_keys(config, upstream, prompts)
     existing = cached_report(eval_dir, key, verdict_fields(config))

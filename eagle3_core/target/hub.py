@@ -70,9 +70,15 @@ class HubId:
 def parse_hub_id(model: str) -> HubId | None:
     """`org/name` or `org/name@revision` as a HubId; None for anything else. Callers test for an existing
     folder first: a folder wins over a Hub id of the same spelling."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     match = HUB_ID.fullmatch(model)
     if match is None:
         return None
+    try:
+        validate_repo_id(match["repo_id"])
+    except HFValidationError as exc:
+        raise HubTargetError(f"target.model {model!r}: not a Hub id huggingface_hub accepts ({exc})") from None
     return HubId(match["repo_id"], match["revision"] or "main")
 
 

@@ -259,7 +259,7 @@ def export_training_state(
         raise FileNotFoundError(f"no training state under {state_dir}")
     draft = Eagle3Draft(draft_config_of(config, target, vocab_map, hidden_states.layer_ids))
     try:
-        state = torch.load(state_file, map_location="cpu", weights_only=False)
+        state = torch.load(state_file, map_location="cpu", weights_only=True)  # a pickle's code never runs
     except (RuntimeError, pickle.UnpicklingError, EOFError) as exc:
         remedy = f"pass another --state (training keeps its newest states in {state_dir})"
         raise UnreadableFile(f"{state_file}: not a readable training state ({exc}); {remedy}") from None

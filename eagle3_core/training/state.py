@@ -134,8 +134,8 @@ def latest_state(state_dir: Path) -> Path | None:
         return None
     remedy = f"delete it to train from the first step, or export a step-*.pt of {state_dir} with --state"
     name = read_json_object(latest, remedy).get("file")
-    if not isinstance(name, str):
-        raise UnreadableFile(f"{latest}: names no state file; {remedy}")
+    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        raise UnreadableFile(f"{latest}: names no state file of this folder ({name!r}); {remedy}")
     path = state_dir / name
     return path if path.exists() else None
 
@@ -148,7 +148,7 @@ def load_state(
 ) -> dict[str, Any]:
     """Restore everything saved by `save_state`; returns step, position, history, validations and the EMA
     state (None when none was saved)."""
-    payload = torch.load(path, map_location="cpu", weights_only=False)
+    payload = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data: no code runs
     set_model_state(module, payload["model"])
     set_optimizer_state_dict(module, optimizer, payload["optimizer"], options=FULL)
     scheduler.load_state_dict(payload["scheduler"])
