@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 
 from cli.pipeline_group import PipelineCommand, PipelineGroup, print_error, print_warning
-from eagle3_core.artifacts import ArtifactInvalid, Manifest, TargetModel
+from eagle3_core.artifacts import ArtifactInvalid, Manifest, SampleSet, TargetModel
 from eagle3_core.config import ConfigError, PipelineConfig, config_warnings, dump_config, load_config
 from eagle3_core.devices import DeviceFacts
 from eagle3_core.dtypes import dtype_decision, record_dtype_decision
@@ -114,6 +114,18 @@ def load_upstream(kind: type[ManifestT], folder: Path, made_by: str) -> Manifest
     except ArtifactInvalid as exc:
         print_error(f"{exc}: run `eagle3 {made_by}` again")
         raise typer.Exit(1) from None
+
+
+def load_samples(folder: Path) -> SampleSet:
+    """The SampleSet in `folder` (`load_upstream`), refused when it holds no ok row: nothing to learn from."""
+    sample_set = load_upstream(SampleSet, folder, "sample")
+    if sample_set.ok == 0:
+        print_error(
+            f"{folder}: the SampleSet holds no ok row ({sample_set.error} errors, {sample_set.skipped} skipped): "
+            "run `eagle3 sample` again (it retries the errors), or give other prompts"
+        )
+        raise typer.Exit(1)
+    return sample_set
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -284,13 +296,12 @@ def extract_command(
 ) -> None:
     """Extract hidden states of the sampled conversations (resumes per shard), with weight-load, sample,
     tokens/s and shard progress; prints the HiddenStateSet manifest."""
-    from eagle3_core.artifacts import SampleSet
     from eagle3_core.extraction.phase import extract_hidden_states
     from eagle3_core.progress import rich_progress
 
     cfg = resolve_config(config, set_)
     hold_run_dir(cfg)
-    sample_set = load_upstream(SampleSet, samples or RunLayout.of(cfg).samples, "sample")
+    sample_set = load_samples(samples or RunLayout.of(cfg).samples)
     events, target = run_target(cfg, "extraction")
     hold_gpu_slot(cfg, events, "extraction")
     with rich_progress() as progress:
@@ -309,7 +320,6 @@ def evaluate_command(
     """Measure the draft's acceptance on held-out prompts, in transformers and served (evaluation.engine: vLLM or
     SGLang); writes
     <run_dir>/eval/ (report.md, acceptance.png, eval_report.json). Exits 1 if the acceptance guard fails."""
-    from eagle3_core.artifacts import SampleSet
     from eagle3_core.evaluation.phase import checkpoint_of, evaluate_draft
     from eagle3_core.evaluation.report import AcceptanceBelowFloor
     from eagle3_core.progress import rich_progress
@@ -373,12 +383,11 @@ def vocab_command(
 ) -> None:
     """Build the draft vocabulary from loss-masked tokens of the training rows (reused only for the same
     SampleSet); prints its size and coverage."""
-    from eagle3_core.artifacts import SampleSet
     from eagle3_core.vocab import build_vocab_map
 
     cfg = resolve_config(config, set_)
     hold_run_dir(cfg)
-    sample_set = load_upstream(SampleSet, samples or RunLayout.of(cfg).samples, "sample")
+    sample_set = load_samples(samples or RunLayout.of(cfg).samples)
     events, target = run_target(cfg)
     vocab_map = build_vocab_map(cfg, sample_set, target, events)
     console.print(

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from eagle3_core.config import ServerConfig
 from eagle3_core.devices import host_facts
 from eagle3_core.dtypes import resolve_dtype
@@ -190,11 +192,22 @@ def api_key_of(config: ServerConfig) -> str | None:
 class ExternalServer:
     """An already running OpenAI-compatible server: used as is, never started or stopped."""
 
+    reach_timeout_s = 10.0
+
     def __init__(self, url: str, api_key: str | None = None):
         self.base_url = re.sub(r"/v1/?$", "", url.rstrip("/"))
         self.api_key = api_key
 
     def start(self) -> ExternalServer:
+        """Check that the server answers at all (any HTTP status: a wrong key or path is the requests' to
+        report); one that does not is a `ServerError` naming the URL, before any work starts."""
+        try:
+            httpx.get(f"{self.base_url}/v1/models", timeout=self.reach_timeout_s)
+        except httpx.TransportError as exc:
+            raise ServerError(
+                f"the external server at {self.base_url} does not answer ({type(exc).__name__}: {exc}): start it, "
+                "or fix server.url"
+            ) from None
         return self
 
     def stop(self) -> None:

@@ -23,6 +23,8 @@ from eagle3_core.progress import ProgressUpdate
 from eagle3_core.serving import engine as serving
 from eagle3_core.serving import lifecycle
 from eagle3_core.serving import processes as server_processes
+from tests.helpers.openai_standin import OpenAIStandIn
+from tests.helpers.openai_standin import serving as serving_standin
 
 FAKE_SERVER = textwrap.dedent(
     """
@@ -211,9 +213,18 @@ def test_stop_server_hook_stops_by_pid_file(tmp_path, fake_engine):
 
 def test_external_server_starts_and_stops_nothing(monkeypatch):
     monkeypatch.setattr(lifecycle.subprocess, "Popen", None)
-    server = serving.ExternalServer("http://10.0.0.5:8000/v1/", "key")
-    with server as same:
-        assert same.base_url == "http://10.0.0.5:8000" and same.api_key == "key"
+    with serving_standin(OpenAIStandIn) as url:
+        server = serving.ExternalServer(f"{url}/v1/", "key")
+        with server as same:
+            assert same.base_url == url and same.api_key == "key"
+
+
+def test_an_external_server_that_does_not_answer_is_a_clear_error_at_its_start():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with pytest.raises(serving.ServerError, match=f"^the external server at {url} does not answer .*server.url$"):
+            serving.ExternalServer(f"{url}/v1").start()
 
 
 def test_each_hosts_slice_has_its_own_engine_files_and_its_restart_stops_only_its_own(tmp_path, fake_engine):
