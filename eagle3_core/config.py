@@ -34,6 +34,7 @@ API_KEY_ARGUMENT = re.compile(r"(--api-key(?:=|[\s,]+))[^\s,\]}]+")
 # A variable named like a secret, and a value that refers to a variable of this process (`$VAR`, `${VAR}`).
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 SECRET_OVERRIDE = re.compile(r"(env\.\w*(?:KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)\w*=)\S+", re.IGNORECASE)
+URL_USERINFO = re.compile(r"(://)[^/@\s]+@")
 ENV_REFERENCE = re.compile(r"^\$(?:\{(?P<braced>[A-Za-z_]\w*)\}|(?P<bare>[A-Za-z_]\w*))$")
 
 
@@ -1019,9 +1020,10 @@ def _error_message(exc: ValidationError, source: str) -> str:
 
 
 def redact_api_keys(text: str) -> str:
-    """`--api-key sk-...` / `--api-key=sk-...`, and `env.HF_TOKEN=hf_...` overrides, with the secret replaced:
-    error messages quote overrides."""
-    return SECRET_OVERRIDE.sub(r"\1<redacted>", API_KEY_ARGUMENT.sub(r"\1<redacted>", text))
+    """`--api-key sk-...` / `--api-key=sk-...`, `env.HF_TOKEN=hf_...` overrides and a URL's `user:password@`,
+    with the secret replaced: error messages quote overrides."""
+    text = SECRET_OVERRIDE.sub(r"\1<redacted>", API_KEY_ARGUMENT.sub(r"\1<redacted>", text))
+    return URL_USERINFO.sub(r"\1<redacted>@", text)
 
 
 def parse_override(override: str) -> tuple[list[str], Any]:

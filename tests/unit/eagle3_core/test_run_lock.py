@@ -8,33 +8,17 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from eagle3_core.hosts import HostSlice
 from eagle3_core.run_lock import RunDirBusy, lock_path, run_dir_lock
-
-HOLD = (
-    "import sys, time; from eagle3_core.run_lock import run_dir_lock; from eagle3_core.hosts import HostSlice\n"
-    "part = HostSlice(int(sys.argv[2]), 2) if len(sys.argv) > 2 else None\n"
-    "with run_dir_lock(sys.argv[1], part, ['eagle3', 'run', '--config', 'first.yaml']):\n"
-    "    print('held', flush=True); time.sleep(300)\n"
-)
-
-
-def holder(run_dir: Path, *part: str) -> subprocess.Popen:
-    """Another process holding the run folder's lock (of a slice when `part` names one) until killed."""
-    process = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(run_dir), *part], stdout=subprocess.PIPE, text=True, env=os.environ.copy()
-    )
-    assert process.stdout is not None and process.stdout.readline().strip() == "held"
-    return process
+from tests.helpers.bad_input import run_dir_holder
 
 
 def test_a_second_writer_is_refused_naming_the_holder_and_the_lock_frees_when_the_holder_dies(tmp_path):
     run_dir = tmp_path / "run"
-    first = holder(run_dir)
+    first = run_dir_holder(run_dir, ["eagle3", "run", "--config", "first.yaml"])
     try:
         with pytest.raises(RunDirBusy) as refused, run_dir_lock(run_dir):
             pass
@@ -60,7 +44,7 @@ def test_the_holders_own_process_and_children_write_under_its_lock(tmp_path):
 
 def test_slices_of_one_run_write_side_by_side_but_one_slice_has_one_writer(tmp_path):
     run_dir = tmp_path / "run"
-    slice0 = holder(run_dir, "0")
+    slice0 = run_dir_holder(run_dir, ["eagle3", "sample"], host=0)
     try:
         with run_dir_lock(run_dir, HostSlice(1, 2)), run_dir_lock(run_dir):
             pass  # host 1's slice and the parent flow each have their own lock
