@@ -68,16 +68,17 @@ def run_target(
     return events, target
 
 
-def hold_run_dir(cfg: PipelineConfig) -> None:
+def hold_run_dir(cfg: PipelineConfig, folder: Path | None = None) -> None:
     """Hold the run folder's writer lock (of this host's slice) until the command ends (`eagle3_core.run_lock`):
     a second writer of the same run folder is refused naming this one, and this one is refused while another
-    writes. Taken before anything is written."""
+    writes. Taken before anything is written. `folder`: a folder under the run's of a writer that works beside
+    its phases (`eagle3 serve`), which holds that folder's lock instead."""
     from eagle3_core.hosts import host_slice
     from eagle3_core.run_lock import run_dir_lock
 
     held = HELD.get()
     assert held is not None, "hold_run_dir is for a command's body"
-    held.enter_context(run_dir_lock(cfg.run_dir, host_slice(cfg)))
+    held.enter_context(run_dir_lock(folder or cfg.run_dir, host_slice(cfg)))
 
 
 def hold_gpu_slot(cfg: PipelineConfig, events: RunEvents, phase: str) -> None:
@@ -503,13 +504,21 @@ def serve_command(
     import sys
 
     from eagle3_core.progress import rich_progress
-    from eagle3_core.release.serve import engine_server, export_folder, keep_script, plan, record_plan, wait_until_dead
+    from eagle3_core.release.serve import (
+        engine_server,
+        export_folder,
+        keep_script,
+        plan,
+        record_plan,
+        serve_dir,
+        wait_until_dead,
+    )
 
     if engine not in ("vllm", "sglang"):
         print_error(f"--engine {engine!r}: vllm or sglang")
         raise typer.Exit(1)
     cfg = resolve_config(config, (set_ or []) + ([f"server.port={port}"] if port is not None else []))
-    hold_run_dir(cfg)
+    hold_run_dir(cfg, serve_dir(cfg))  # one `eagle3 serve` a run folder, beside its phases
     export_dir = export_folder(draft or RunLayout.of(cfg).draft.root)
     events, target = run_target(cfg)
     cfg, served = plan(cfg, engine, target.root_path, export_dir, k)  # type: ignore[arg-type]

@@ -27,9 +27,11 @@ SETTINGS = ["target.model={target}", "run_dir={run}", "extraction.backend=hf", "
 SECRET = "hf_never-in-any-output"
 
 
-def writer_beside(*command: str):
+def writer_beside(*command: str, folder: str = ""):
+    """Another process writing the run folder (`folder` under it) as `command` does."""
+
     def fault(ws: Workspace) -> None:
-        holder = run_dir_holder(ws.run, list(command))
+        holder = run_dir_holder(ws.run / folder, list(command))
         ws.cleanups.append(lambda: (holder.kill(), holder.wait()))
         (ws.tmp / "holder.pid").write_text(str(holder.pid))
 
@@ -157,6 +159,9 @@ ROWS = [
          writer_beside("eagle3", "run")),
     Case("extract beside a running sample", ["extract"], r"run_dir {run} is in use by pid \d+ .*`eagle3 sample`",
          writer_beside("eagle3", "sample"), upstream=True),
+    Case("a second eagle3 serve", ["serve", "--draft", "{tmp}/draft"],
+         r"run_dir {run}/serve is in use by pid \d+ .*`eagle3 serve`",
+         writer_beside("eagle3", "serve", folder="serve")),
     # training states: code never runs
     Case("export --state of a pickle that runs code", ["export", "--out", "{tmp}/out", "--state", "{tmp}/evil.pt"],
          r"{tmp}/evil\.pt: not a readable training state", evil_state("evil.pt"), upstream=True, check=no_code_ran),
