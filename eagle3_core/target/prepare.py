@@ -79,7 +79,8 @@ def describe_folder(model_dir: Path, name: str, source: str) -> TargetModel:
         raise UnreadableFile(
             f"{model_dir / 'config.json'}: no {', '.join(missing)} (a model's config states them); {remedy}"
         )
-    if not any((model_dir / name).is_file() for name in VOCABULARY_FILES):
+    weights = sorted(model_dir.glob("*.safetensors"))  # none: a config to plan with, not a model to run
+    if weights and not any((model_dir / name).is_file() for name in VOCABULARY_FILES):
         raise FileNotFoundError(f"{model_dir}: no tokenizer ({', '.join(VOCABULARY_FILES)}: none is there); {remedy}")
     hashed = [model_dir / "config.json"] + [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).exists()]
     index = model_dir / "model.safetensors.index.json"
@@ -104,7 +105,7 @@ def describe_folder(model_dir: Path, name: str, source: str) -> TargetModel:
         config_digest=files[0].sha256,
         tokenizer_digest=tokenizer_digest({f.path: f.sha256 for f in files[1:]}),
         chat_template=template,
-        weights={p.name: p.stat().st_size for p in sorted(model_dir.glob("*.safetensors"))},
+        weights={p.name: p.stat().st_size for p in weights},
         text=TargetText.of(text),
     )
 

@@ -11,6 +11,7 @@ others, so the newest state's best weights survive any kill."""
 from __future__ import annotations
 
 import json
+import pickle
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -138,6 +139,18 @@ def latest_state(state_dir: Path) -> Path | None:
         raise UnreadableFile(f"{latest}: names no state file of this folder ({name!r}); {remedy}")
     path = state_dir / name
     return path if path.exists() else None
+
+
+def read_state_file(path: Path, remedy: str) -> dict[str, Any]:
+    """A training state's payload, loaded with `weights_only` (tensors and plain data: a pickle's code never
+    runs); anything else, an `UnreadableFile` naming the file and why in one line."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError) as exc:
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        # torch's weights-only refusal: a page of advice, the reason on its second-to-last line
+        reason = lines[-2] if lines[0].startswith("Weights only load failed") and len(lines) > 2 else lines[0]
+        raise UnreadableFile(f"{path}: not a readable training state ({reason}); {remedy}") from None
 
 
 def load_state(
