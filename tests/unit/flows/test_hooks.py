@@ -17,6 +17,7 @@ from eagle3_core.run_layout import RunLayout
 from eagle3_core.serving.processes import write_pid_file
 from flows.hooks import stop_engines
 from tasks.hosts import on_host
+from tests.helpers.processes import owned_engine
 
 PARENT_WITH_CHILD = (
     "import subprocess, sys, time; "
@@ -90,22 +91,13 @@ def test_a_hosts_crash_hook_stops_its_slices_engines_only(tmp_path: Path):
                 engine.kill()
 
 
-OWNER = (
-    "import subprocess, sys, time; from pathlib import Path; from eagle3_core.serving.processes import write_pid_file\n"
-    "engine = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True)\n"
-    "write_pid_file(Path(sys.argv[1]), engine.pid); print(engine.pid, flush=True); time.sleep(300)\n"
-)
-
-
 def test_the_hook_of_another_run_leaves_a_live_owners_engine_and_stops_it_once_its_owner_is_dead(tmp_path: Path):
     """A pid file names the process that started its engine: a second run's crash or cancel hook on the same
     run folder never stops the engine of a run that is still alive; once that run is killed, it does."""
     config = PipelineConfig(run_dir=tmp_path / "run")
     pid_file = RunLayout.of(config).pid_file("sampling")
-    pid_file.parent.mkdir(parents=True)
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(pid_file)], stdout=subprocess.PIPE, text=True)
-    assert owner.stdout is not None
-    engine = psutil.Process(int(owner.stdout.readline()))
+    owner, pid = owned_engine(pid_file)
+    engine = psutil.Process(pid)
     try:
         crash(config)
         assert engine.is_running() and pid_file.exists(), "a live run's engine was stopped by another run"

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from eagle3_core.config import ServerConfig
-from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
+from eagle3_core.events import DECISION, ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.hosts import HostSlice
 from eagle3_core.progress import ProgressUpdate
 from eagle3_core.serving import engine as serving
@@ -25,6 +25,7 @@ from eagle3_core.serving import lifecycle
 from eagle3_core.serving import processes as server_processes
 from tests.helpers.openai_standin import OpenAIStandIn
 from tests.helpers.openai_standin import serving as serving_standin
+from tests.helpers.processes import owned_engine
 
 FAKE_SERVER = textwrap.dedent(
     """
@@ -188,6 +189,23 @@ def test_stale_server_from_crashed_run_is_stopped_at_next_start(tmp_path, fake_e
         assert gone(stale_worker.pid) and gone(stale_root.pid)
     assert [e.get("stale") for e in events.read() if e["event"] == ENGINE_STOP] == [True, None]
     assert list((tmp_path / "server").glob("*.pid")) == []
+
+
+def test_an_engine_start_leaves_a_live_runs_engine_of_the_same_run_folder_running(tmp_path, fake_engine):
+    """A pid file names its owner: the stale-engine cleanup before a start stops only a dead owner's engine,
+    and says in a decision line which one it left running."""
+    events = RunEvents(tmp_path)
+    owner, pid = owned_engine(tmp_path / "server" / "sampling.pid")
+    try:
+        with serving.VllmServer(fake_engine(), "model", tmp_path, events, phase="extraction") as fresh:
+            assert fresh.healthy() and psutil.Process(pid).is_running()
+        [left] = [e["message"] for e in events.read() if e["event"] == DECISION]
+        host = socket.gethostname()
+        assert left == f"left the server of sampling.pid running: its owner, pid {owner.pid} on {host}, is alive"
+    finally:
+        owner.kill()
+        owner.wait()
+        serving.stop_server(tmp_path / "server" / "sampling.pid", grace_s=5)
 
 
 def test_occupied_port_is_a_clear_error(tmp_path, fake_engine):
