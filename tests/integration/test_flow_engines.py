@@ -171,7 +171,7 @@ def test_a_second_run_and_a_sample_on_a_running_runs_folder_are_refused_and_the_
                                     text=True, timeout=300)  # fmt: skip
             line = " ".join(second.stdout.split())
             assert second.returncode == 1 and line.startswith(f"error: run_dir {run_dir} is in use by pid {first.pid}")
-            assert f"-m cli run -c {config}" in line and "Traceback" not in second.stdout + second.stderr
+            assert f" run -c {config}`" in line and "Traceback" not in second.stdout + second.stderr
         assert first.wait(timeout=900) != 0, "the first run stops at the injected extraction fault"
     finally:
         if first.poll() is None:
