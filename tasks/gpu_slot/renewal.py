@@ -22,7 +22,12 @@ GIVE_UP_SHARE = 0.5  # of the lease without a successful renewal
 
 
 class SlotLost(RuntimeError):
-    """The slot's lease could not be renewed for half its length: the phase holding it was stopped."""
+    """The slot's lease could not be renewed for half its length: the phase holding it was stopped. Raised
+    from outside, in the holding thread, it carries its default message (a block that holds the slot across
+    calls, as the shared server does, meets it wherever that thread is)."""
+
+    def __init__(self, message: str = "the slot's lease could not be renewed: stopped before it runs out") -> None:
+        super().__init__(message)
 
 
 def raise_in_thread(thread_id: int, exc_type: type[BaseException] | None) -> None:
