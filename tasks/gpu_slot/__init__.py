@@ -21,13 +21,14 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from uuid import UUID
 
+import httpx
 from prefect.client.orchestration import get_client
 
 from eagle3_core.events import RunEvents
 from eagle3_core.progress import ProgressCallback
 from tasks.gpu_slot.leases import GPU_SLOTS, LEASE_S, death_of, ensure_concurrency_limit, give_back, take_slot
 from tasks.gpu_slot.records import HolderBook, HolderRecord, ProcessIdentity
-from tasks.gpu_slot.renewal import SlotLost, kept_lease
+from tasks.gpu_slot.renewal import LeaseRevoked, SlotLost, kept_lease
 
 __all__ = [
     "GPU_SLOTS",
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("eagle3.gpu")
+LEASE_GONE = (404, 410)  # what a Prefect server answers a renewal of a lease it expired or revoked
 
 
 def waiting_progress() -> ProgressCallback:
@@ -81,8 +83,14 @@ def gpu_slot(
 
 
 def renew(lease_id: str) -> None:
+    """Renew the lease; `LeaseRevoked` when the server no longer has it (410 Gone, or 404)."""
     with get_client(sync_client=True) as client:
-        client.renew_concurrency_lease(lease_id=UUID(lease_id), lease_duration=LEASE_S)
+        try:
+            client.renew_concurrency_lease(lease_id=UUID(lease_id), lease_duration=LEASE_S)
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code in LEASE_GONE:
+                raise LeaseRevoked(f"lease {lease_id} is no longer on the server") from None
+            raise
 
 
 def phase_slot(name: str, shared: object | None, events: RunEvents | None = None) -> AbstractContextManager[None]:

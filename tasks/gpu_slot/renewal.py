@@ -6,8 +6,9 @@ gives up after three failed attempts and, unless told to cancel, lets the holder
 Here the lease is renewed every tenth of its length, a failed renewal is tried again at the next turn (a busy
 API is no reason to stop a long extraction), and once no renewal has succeeded for half the lease, the
 holding thread gets `SlotLost` raised in it: the phase stops (its engine with it, in its own `finally`) with
-half a lease left, before any other run can take the slot, and its task's retry takes the slot again. No
-Prefect import here: the renewal itself is a callable."""
+half a lease left, before any other run can take the slot, and its task's retry takes the slot again. A lease
+the server says it no longer has (`LeaseRevoked`) stops the phase at once. No Prefect import here: the
+renewal itself is a callable."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ class SlotLost(RuntimeError):
 
     def __init__(self, message: str = "the slot's lease could not be renewed: stopped before it runs out") -> None:
         super().__init__(message)
+
+
+class LeaseRevoked(Exception):
+    """The server no longer knows the lease (it revoked it): the slot may be another run's already."""
 
 
 def raise_in_thread(thread_id: int, exc_type: type[BaseException] | None) -> None:
@@ -55,7 +60,7 @@ def kept_lease(renew: Callable[[], None], lease_s: float, what: str = "the slot"
                 failures.clear()
             except Exception as exc:  # any failure: the API unreachable, a 5xx, a revoked lease
                 failures.append(exc)
-                if time.monotonic() - renewed >= lease_s * GIVE_UP_SHARE:
+                if isinstance(exc, LeaseRevoked) or time.monotonic() - renewed >= lease_s * GIVE_UP_SHARE:
                     with guard:
                         if not done.is_set():
                             raise_in_thread(holder, SlotLost)
@@ -67,8 +72,9 @@ def kept_lease(renew: Callable[[], None], lease_s: float, what: str = "the slot"
         yield
     except SlotLost:
         last = failures[-1] if failures else "no answer"
+        how_long = "at once" if isinstance(last, LeaseRevoked) else f"for {lease_s * GIVE_UP_SHARE:.0f} s"
         raise SlotLost(
-            f"{what}: its lease could not be renewed for {lease_s * GIVE_UP_SHARE:.0f} s (last failure: {last}); "
+            f"{what}: its lease could not be renewed {how_long} (last failure: {last}); "
             f"stopped before the lease runs out and another run takes the slot (the phase resumes when run again)"
         ) from None
     finally:
