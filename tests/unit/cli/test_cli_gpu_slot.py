@@ -10,7 +10,7 @@ from uuid import uuid4
 import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from cli.main import HELD, hold_gpu_slot
+from cli.holds import HELD, hold_gpu_slot
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
 from tasks.gpu_slot.leases import holder_book
