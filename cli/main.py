@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from contextlib import ExitStack
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, ParamSpec, TypeVar
@@ -12,9 +13,10 @@ from typing import Annotated, ParamSpec, TypeVar
 import typer
 from rich.console import Console
 
-from cli.pipeline_group import PipelineCommand, PipelineGroup, print_error
-from eagle3_core.artifacts import ArtifactInvalid, Manifest, TargetModel
-from eagle3_core.config import ConfigError, PipelineConfig, dump_config, load_config
+from cli.holds import HELD, hold_gpu_slot, hold_run_dir
+from cli.pipeline_group import PipelineCommand, PipelineGroup, print_error, print_warning
+from eagle3_core.artifacts import ArtifactInvalid, Manifest, SampleSet, TargetModel
+from eagle3_core.config import ConfigError, PipelineConfig, config_warnings, dump_config, load_config
 from eagle3_core.devices import DeviceFacts
 from eagle3_core.dtypes import dtype_decision, record_dtype_decision
 from eagle3_core.events import RunEvents
@@ -39,12 +41,15 @@ SetOption = Annotated[list[str] | None, typer.Option("--set", "-s", help="Overri
 
 def resolve_config(config: Path | None, overrides: list[str] | None, on_this_host: bool = True) -> PipelineConfig:
     """Load the config or exit with the error that names the field and file; `on_this_host`: the run resolved
-    on this host (`eagle3_core.resolved_run`: every `auto` server field a value, sized by the target's config.json)."""
+    on this host (`eagle3_core.resolved_run`: every `auto` server field a value, sized by the target's config.json).
+    Its warnings are shown first."""
     try:
         loaded = load_config(config, overrides or [])
     except ConfigError as exc:
         print_error(str(exc))
         raise typer.Exit(1) from None
+    for warning in config_warnings(loaded):
+        print_warning(warning)
     return resolve_run(loaded).config if on_this_host else loaded
 
 
@@ -76,6 +81,18 @@ def load_upstream(kind: type[ManifestT], folder: Path, made_by: str) -> Manifest
         raise typer.Exit(1) from None
 
 
+def load_samples(folder: Path) -> SampleSet:
+    """The SampleSet in `folder` (`load_upstream`), refused when it holds no ok row: nothing to learn from."""
+    sample_set = load_upstream(SampleSet, folder, "sample")
+    if sample_set.ok == 0:
+        print_error(
+            f"{folder}: the SampleSet holds no ok row ({sample_set.error} errors, {sample_set.skipped} skipped): "
+            "run `eagle3 sample` again (it retries the errors), or give other prompts"
+        )
+        raise typer.Exit(1)
+    return sample_set
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     """Failures the user can act on: a missing or wrong path (a target folder, a draft folder), a setting
     that does not fit the target, a dead or unreachable engine, a failed preflight, a full disk, a bad
@@ -85,6 +102,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from eagle3_core.files import DiskFullError, UnreadableFile
     from eagle3_core.preflight import PreflightError
     from eagle3_core.release.hub import HubError
+    from eagle3_core.run_lock import RunDirBusy
     from eagle3_core.sampling.prompts import PromptFileError
     from eagle3_core.serving.engine import ServerError
     from eagle3_core.target.hub import HubTargetError
@@ -92,24 +110,27 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     paths = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
     return (*paths, ConfigError, PromptFileError, ServerError, PreflightError, DiskFullError, ShardError,
-            ArtifactInvalid, StaleVocabMap, UnreadableFile, HubTargetError, HubError)  # fmt: skip
+            ArtifactInvalid, StaleVocabMap, UnreadableFile, HubTargetError, HubError, RunDirBusy)  # fmt: skip
 
 
 def command(name: str) -> Callable[[Callable[P, None]], Callable[P, None]]:
     """`app.command(name)` with the one prologue every command shares: a failure the user can act on ends
     it with one `error:` line and exit status 1 (the work already on disk is kept; the same command
-    resumes after it), unless `--debug` asks for the traceback."""
+    resumes after it), unless `--debug` asks for the traceback; what the command holds (`hold_run_dir`) is
+    released when it ends."""
 
     def register(function: Callable[P, None]) -> Callable[P, None]:
         @functools.wraps(function)
         def run(*args: P.args, **kwargs: P.kwargs) -> None:
-            try:
-                function(*args, **kwargs)
-            except user_errors() as exc:
-                if DEBUG.get():
-                    raise
-                print_error(str(exc))
-                raise typer.Exit(1) from None
+            with ExitStack() as held:
+                HELD.set(held)
+                try:
+                    function(*args, **kwargs)
+                except user_errors() as exc:
+                    if DEBUG.get():
+                        raise
+                    print_error(str(exc))
+                    raise typer.Exit(1) from None
 
         return app.command(name, cls=PipelineCommand)(run)
 
@@ -164,6 +185,7 @@ def prepare_target_command(
     from eagle3_core.progress import rich_progress
 
     cfg = resolve_config(config, (set_ or []) + ([f"target.model={model}"] if model else []))
+    hold_run_dir(cfg)
     with rich_progress() as progress:
         _, target = run_target(cfg, progress=progress)
     console.print(target.model_dump_json(indent=2, exclude={"files"}), highlight=False, markup=False)
@@ -191,6 +213,7 @@ def run_command(
         print_plan(resolve_config(config, set_, on_this_host=False), None)
         return
     cfg = resolve_config(config, set_)
+    hold_run_dir(cfg)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
     # The ephemeral API server gets 20 s to start by default: too little on a busy 2-core machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
@@ -238,13 +261,14 @@ def extract_command(
 ) -> None:
     """Extract hidden states of the sampled conversations (resumes per shard), with weight-load, sample,
     tokens/s and shard progress; prints the HiddenStateSet manifest."""
-    from eagle3_core.artifacts import SampleSet
     from eagle3_core.extraction.phase import extract_hidden_states
     from eagle3_core.progress import rich_progress
 
     cfg = resolve_config(config, set_)
-    sample_set = load_upstream(SampleSet, samples or RunLayout.of(cfg).samples, "sample")
+    hold_run_dir(cfg)
+    sample_set = load_samples(samples or RunLayout.of(cfg).samples)
     events, target = run_target(cfg, "extraction")
+    hold_gpu_slot(cfg, events, "extraction")
     with rich_progress() as progress:
         hidden = extract_hidden_states(cfg, sample_set, target, events, progress=progress)
     console.print(hidden.model_dump_json(indent=2, exclude={"files"}), highlight=False, markup=False)
@@ -261,16 +285,17 @@ def evaluate_command(
     """Measure the draft's acceptance on held-out prompts, in transformers and served (evaluation.engine: vLLM or
     SGLang); writes
     <run_dir>/eval/ (report.md, acceptance.png, eval_report.json). Exits 1 if the acceptance guard fails."""
-    from eagle3_core.artifacts import SampleSet
     from eagle3_core.evaluation.phase import checkpoint_of, evaluate_draft
     from eagle3_core.evaluation.report import AcceptanceBelowFloor
     from eagle3_core.progress import rich_progress
 
     cfg = resolve_config(config, set_)
+    hold_run_dir(cfg)
     checkpoint = checkpoint_of(draft or RunLayout.of(cfg).draft.root)
     sample_dir = RunLayout.of(cfg).samples
     sample_set = SampleSet.load(sample_dir) if (sample_dir / f"{SampleSet.kind}.json").is_file() else None
     events, target = run_target(cfg, "evaluation")
+    hold_gpu_slot(cfg, events, "evaluation")
     if sample_set is None:
         console.print(f"[yellow]no SampleSet in {sample_dir}: measuring HumanEval only[/yellow]")
     try:
@@ -296,8 +321,10 @@ def sample_command(config: ConfigOption = None, set_: SetOption = None) -> None:
     from eagle3_core.sampling.phase import sample_prompts
 
     cfg = resolve_config(config, set_)
+    hold_run_dir(cfg)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one log line per request otherwise
     events, target = run_target(cfg, "sampling")
+    hold_gpu_slot(cfg, events, "sampling")
     with rich_progress() as progress:
         sample_set = sample_prompts(cfg, target, events, progress=progress)
     each = f" x {sample_set.responses_per_prompt} responses" if sample_set.responses_per_prompt > 1 else ""
@@ -321,11 +348,11 @@ def vocab_command(
 ) -> None:
     """Build the draft vocabulary from loss-masked tokens of the training rows (reused only for the same
     SampleSet); prints its size and coverage."""
-    from eagle3_core.artifacts import SampleSet
     from eagle3_core.vocab import build_vocab_map
 
     cfg = resolve_config(config, set_)
-    sample_set = load_upstream(SampleSet, samples or RunLayout.of(cfg).samples, "sample")
+    hold_run_dir(cfg)
+    sample_set = load_samples(samples or RunLayout.of(cfg).samples)
     events, target = run_target(cfg)
     vocab_map = build_vocab_map(cfg, sample_set, target, events)
     console.print(
@@ -348,6 +375,8 @@ def train_command(
     state); exports the vLLM-loadable folder to <run_dir>/draft/export. Under torchrun: one process per GPU
     (the flow's training task launches it so for training.processes > 1); a failing rank's error is recorded
     for torchrun."""
+    import os
+
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from eagle3_core.artifacts import HiddenStateSet, VocabMap
@@ -356,10 +385,14 @@ def train_command(
     from eagle3_core.training.phase import train_draft
 
     cfg = resolve_config(config, set_)
+    if int(os.environ.get("RANK", "0")) == 0:  # the other ranks of a torchrun write under rank 0's lock
+        hold_run_dir(cfg)
     layout = RunLayout.of(cfg)
     hidden = load_upstream(HiddenStateSet, hidden_states or layout.hidden_states, "extract")
     vocab_map = load_upstream(VocabMap, vocab or layout.vocab, "vocab")
     events, target = run_target(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        hold_gpu_slot(cfg, events, "training")
     with launched_rank() or rich_progress() as progress:
         checkpoint = record(train_draft)(cfg, hidden, vocab_map, target, events, progress=progress)
     metrics = {k: round(v, 4) for k, v in checkpoint.metrics.items() if k.startswith(("val_", "initial_val_top1"))}
@@ -393,6 +426,7 @@ def export_command(
         check_repo_id(push_to_hub)
         hub_token()
     cfg = resolve_config(config, set_)
+    hold_run_dir(cfg)
     layout = RunLayout.of(cfg)
     _, target = run_target(cfg)
     folder = out or layout.draft.export
@@ -434,12 +468,21 @@ def serve_command(
     import sys
 
     from eagle3_core.progress import rich_progress
-    from eagle3_core.release.serve import engine_server, export_folder, keep_script, plan, record_plan, wait_until_dead
+    from eagle3_core.release.serve import (
+        engine_server,
+        export_folder,
+        keep_script,
+        plan,
+        record_plan,
+        serve_dir,
+        wait_until_dead,
+    )
 
     if engine not in ("vllm", "sglang"):
         print_error(f"--engine {engine!r}: vllm or sglang")
         raise typer.Exit(1)
     cfg = resolve_config(config, (set_ or []) + ([f"server.port={port}"] if port is not None else []))
+    hold_run_dir(cfg, serve_dir(cfg))  # one `eagle3 serve` a run folder, beside its phases
     export_dir = export_folder(draft or RunLayout.of(cfg).draft.root)
     events, target = run_target(cfg)
     cfg, served = plan(cfg, engine, target.root_path, export_dir, k)  # type: ignore[arg-type]

@@ -38,6 +38,11 @@ def print_error(message: str) -> None:
     Console().print(f"error: {message}", highlight=False, markup=False, style="red", soft_wrap=True)
 
 
+def print_warning(message: str) -> None:
+    """A setting that is valid but most likely not meant: said before the command runs, on stderr."""
+    Console(stderr=True).print(f"warning: {message}", highlight=False, markup=False, style="yellow", soft_wrap=True)
+
+
 def in_pipeline_order(names: list[str]) -> list[str]:
     """`names` sorted by COMMAND_ORDER; names it lacks keep their order, after the known ones."""
     rank = {name: index for index, name in enumerate(COMMAND_ORDER)}

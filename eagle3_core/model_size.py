@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_core.files import UnreadableFile, read_json_object
+
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 KV_CACHE_BYTES = 2  # vLLM's KV cache at the bf16 compute dtype of a GPU
 
@@ -182,6 +184,12 @@ def size_of_config(config: dict[str, Any], stated: tuple[int, str] | None = None
 
 
 def model_size(model_dir: Path) -> ModelSize:
-    """The size of the Hugging Face folder `model_dir` (config.json, and the index or files if present)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    return size_of_config(config, checkpoint_bytes(model_dir))
+    """The size of the Hugging Face folder `model_dir` (config.json, and the index or files if present); a
+    config.json that is not JSON, or lacks what a model's config states, is an `UnreadableFile` naming it."""
+    path = model_dir / "config.json"
+    remedy = "fix it, or download the target again"
+    config = read_json_object(path, remedy)
+    try:
+        return size_of_config(config, checkpoint_bytes(model_dir))
+    except KeyError as exc:
+        raise UnreadableFile(f"{path}: has no {exc.args[0]}, which a model's config states; {remedy}") from None

@@ -13,6 +13,8 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3_core.artifacts import HiddenStateSet, Manifest, SampleSet, TargetModel, VocabMap
 from eagle3_core.config import PipelineConfig
+from eagle3_core.hosts import host_slice
+from eagle3_core.run_lock import run_dir_lock
 from flows.hooks import stop_engines
 from tasks.extraction import extract_hidden_states_task
 from tasks.hosts import host_gpu_limit
@@ -45,4 +47,5 @@ def host_phase(
         "training": (hidden_states, vocab_map, target),
     }
     task = configured(TASKS[phase], config, phase).with_options(cache_policy=NO_CACHE)
-    return task(config, *upstream[phase])
+    with run_dir_lock(config.run_dir, host_slice(config)):  # one writer of this slice
+        return task(config, *upstream[phase])

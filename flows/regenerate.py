@@ -25,7 +25,9 @@ from eagle3_core.artifacts import DraftCheckpoint, EvalReport
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.files import write_text_atomic
+from eagle3_core.hosts import host_slice
 from eagle3_core.run_layout import DraftLayout, PromotedLayout, RunLayout
+from eagle3_core.run_lock import run_dir_lock
 from flows.hooks import stop_engines
 from flows.train_drafter import run_pipeline
 
@@ -126,6 +128,11 @@ def promote(config: PipelineConfig, checkpoint: DraftCheckpoint, report: EvalRep
     on_crashed=[stop_engines],
 )
 def regenerate(config: PipelineConfig) -> EvalReport:
+    with run_dir_lock(config.run_dir, host_slice(config)):  # one writer of the run folder, promote included
+        return regenerate_holding_the_run_dir(config)
+
+
+def regenerate_holding_the_run_dir(config: PipelineConfig) -> EvalReport:
     events = RunEvents(config.run_dir)
     current = load_current(config)
     checkpoint, report = run_pipeline(warm_start_config(config), summary_key="nightly-regenerate-summary")

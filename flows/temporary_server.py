@@ -6,10 +6,12 @@ and the server is orphaned to init for good. Two guards, both set up by `own_tem
 the flow starts:
 - the server is started here, from the main thread, with a parent-death signal (SIGTERM when the run's
   process dies; `eagle3_core.serving.parent_death`), in place of Prefect's own start (the same command line);
-- each started server is recorded (`<PREFECT_HOME>/eagle3-temporary-servers/<pid>.json`), and every run
-  first stops what a dead run left behind: a recorded server whose run is gone, or any ephemeral server
-  of this PREFECT_HOME orphaned to init (one started before this guard). Each stop is a `decision` line
-  in the run's events.jsonl."""
+- each started server is recorded (`<PREFECT_HOME>/eagle3-temporary-servers/<pid>.json`) and carries its
+  run's identity in its environment (`EAGLE3_SERVER_RUN`: host, pid, start time), and every run first stops
+  what a dead run left behind: a recorded or marked server whose run is gone, or an unmarked ephemeral server
+  of this PREFECT_HOME orphaned to init (one started before this guard). A server whose run is alive is
+  never stopped: in a container where `eagle3 run` is PID 1, its own server's parent is PID 1 too. Each stop
+  is a `decision` line in the run's events.jsonl."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from tasks.gpu_slot import ProcessIdentity
 
 PHASE = "orchestration"
 APP = "prefect.server.api.server:create_app"
+RUN_ENV = "EAGLE3_SERVER_RUN"  # the identity of the run that started the server, in the server's environment
 STOP_GRACE_S = 10.0
 
 
@@ -48,6 +51,7 @@ class ReapedServer(SubprocessASGIServer):
     def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
         # Prefect 3.7.5's own command line and environment (SubprocessASGIServer._run_uvicorn_command).
         server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        server_env[RUN_ENV] = json.dumps(vars(ProcessIdentity.current()))
         app_dir = str(prefect.__module_path__.parent)
         uvicorn = ["-m", "uvicorn", "--app-dir", app_dir, "--factory", APP, "--host", "127.0.0.1"]
         return subprocess.Popen(
@@ -62,15 +66,27 @@ def prefect_home_of(env: dict[str, str]) -> Path:
     return Path(home).expanduser().resolve()
 
 
-def is_orphaned_ephemeral_server(process: psutil.Process, home: Path) -> bool:
-    """A temporary server of this PREFECT_HOME whose run is gone (re-parented to init)."""
+def run_is_gone(marked: str | None, orphaned: bool) -> bool:
+    """Whether a server's run is gone: told by the run it names (`RUN_ENV`), else by its re-parenting to init."""
+    if marked is None:
+        return orphaned
     try:
-        if APP not in " ".join(process.cmdline()) or process.ppid() != 1:
+        return ProcessIdentity(**json.loads(marked)).alive() is False
+    except (ValueError, TypeError):
+        return orphaned
+
+
+def is_orphaned_ephemeral_server(process: psutil.Process, home: Path) -> bool:
+    """A temporary server of this PREFECT_HOME whose run is gone."""
+    try:
+        if APP not in " ".join(process.cmdline()):
             return False
         env = process.environ()
+        orphaned = process.ppid() == 1
     except (psutil.Error, OSError):
         return False
-    return env.get("PREFECT__SERVER_EPHEMERAL") == "1" and prefect_home_of(env) == home
+    mine = env.get("PREFECT__SERVER_EPHEMERAL") == "1" and prefect_home_of(env) == home
+    return mine and run_is_gone(env.get(RUN_ENV), orphaned)
 
 
 def stop_process(process: psutil.Process) -> None:

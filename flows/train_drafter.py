@@ -29,7 +29,9 @@ from eagle3_core.dtypes import record_dtype_decision
 from eagle3_core.engine_versions import require_supported_vllm
 from eagle3_core.events import RunEvents
 from eagle3_core.extraction.layout import resolve_layer_ids
+from eagle3_core.hosts import host_slice
 from eagle3_core.planning.plan import plan_run, render_plan
+from eagle3_core.run_lock import run_dir_lock
 from flows.hooks import stop_engines
 from flows.summary import PhaseRun, write_summary
 from tasks.evaluation import evaluate_draft_task
@@ -108,6 +110,8 @@ def run_pipeline(config: PipelineConfig, summary_key: str) -> tuple[DraftCheckpo
     on_crashed=[stop_engines],
 )
 def train_drafter(config: PipelineConfig) -> EvalReport:
-    """Run every phase (cached phases return at once) and end with a markdown summary artifact."""
-    _, report = run_pipeline(config, summary_key="train-drafter-summary")
+    """Run every phase (cached phases return at once) and end with a markdown summary artifact; the run folder's
+    writer lock held throughout (`eagle3_core.run_lock`: a second writer is refused, naming this run)."""
+    with run_dir_lock(config.run_dir, host_slice(config)):
+        _, report = run_pipeline(config, summary_key="train-drafter-summary")
     return report

@@ -292,6 +292,16 @@ def read_draft_config(folder: Path | str) -> dict:
     return config
 
 
+def exported_config(path: Path | str) -> DraftConfig:
+    """The DraftConfig of an export folder's config.json: an `UnreadableFile` naming a field it lacks."""
+    path = Path(path)
+    try:
+        return config_from_hf(read_draft_config(path))
+    except KeyError as exc:
+        stated = f"no {exc.args[0]} (a draft's config states it)"
+        raise UnreadableFile(f"{path / 'config.json'}: {stated}; {DRAFT_REMEDY}") from None
+
+
 def load_exported(path: Path | str, target_dir: Path | str | None = None) -> Eagle3Draft:
     """The draft of a folder written by `export_draft`; the embeddings come from the target (`target_dir`)
     unless the folder holds them."""
@@ -299,7 +309,7 @@ def load_exported(path: Path | str, target_dir: Path | str | None = None) -> Eag
     from safetensors.torch import load_file
 
     path = Path(path)
-    draft = Eagle3Draft(config_from_hf(read_draft_config(path)))
+    draft = Eagle3Draft(exported_config(path))
     try:
         weights = load_file(path / "model.safetensors")
     except SafetensorError as exc:

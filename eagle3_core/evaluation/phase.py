@@ -228,8 +228,6 @@ def evaluate_draft(
     upstream = {"draft_checkpoint": checkpoint.digest, "target_model": target.digest}
     if sample_set is not None:
         upstream["sample_set"] = sample_set.digest
-    if not (config.evaluation.with_transformers or config.evaluation.with_vllm):
-        raise ValueError("evaluation.with_transformers and evaluation.with_vllm are both false: nothing to measure")
     prompts = collect_prompts(config, sample_set)
     key_a, key = measurement_keys(config, upstream, prompts)
     existing = cached_report(eval_dir, key, verdict_fields(config))
@@ -314,8 +312,9 @@ def guard(report: EvalReport) -> EvalReport:
 
 def checkpoint_of(folder: Path) -> DraftCheckpoint:
     """The DraftCheckpoint of a training run's draft folder, or one describing a bare export folder
-    (config.json + model.safetensors written by `export_draft` or by another tool)."""
-    from eagle3_core.draft.export import read_draft_config
+    (config.json + model.safetensors written by `export_draft` or by another tool), its config read whole
+    (a field it lacks is refused here, before any weight loads)."""
+    from eagle3_core.draft.export import exported_config
 
     folder = Path(folder)
     if (folder / f"{DraftCheckpoint.kind}.json").is_file():
@@ -324,5 +323,5 @@ def checkpoint_of(folder: Path) -> DraftCheckpoint:
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"{folder}: neither a draft checkpoint nor an export folder (missing {missing})")
-    layer_ids = read_draft_config(folder).get("eagle_aux_hidden_state_layer_ids") or []
+    layer_ids = list(exported_config(folder).aux_layer_ids)
     return DraftCheckpoint(root=str(folder.resolve()), files=record_files(folder, paths), layer_ids=layer_ids)

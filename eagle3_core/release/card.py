@@ -81,7 +81,8 @@ def recipe_lines(config: PipelineConfig, draft: dict[str, Any], checkpoint: Draf
 
 def data_lines(config: PipelineConfig, sample_set: SampleSet | None) -> list[str]:
     """The prompt files, and what sampling made of them where its manifest is at hand."""
-    lines = ["## Data", "", f"- prompt files: {', '.join(config.sampling.prompt_files)}"]
+    names = ", ".join(Path(file).name for file in config.sampling.prompt_files)  # a path says where it ran: not public
+    lines = ["## Data", "", f"- prompt files: {names}"]
     if sample_set is None:
         return [*lines, "- samples: the run's sample manifest is not at hand"]
     responses = sample_set.responses_per_prompt

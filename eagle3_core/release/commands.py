@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eagle3_core.artifacts import EvalReport
-from eagle3_core.config import PipelineConfig
+from eagle3_core.config import PipelineConfig, env_reference
 from eagle3_core.serving.engine import build_command, server_variables, speculative_args
 from eagle3_core.serving.sglang import sglang_command, sglang_launch, sglang_variables, speculative_flags
 
@@ -71,8 +71,12 @@ class ServeCommand:
     key_flag: str | None = None
 
     def shell(self) -> str:
-        """One shell line; the key as `"$VARIABLE"`, expanded by the shell that runs it."""
-        assignments = [f"{name}={shlex.quote(value)}" for name, value in self.env.items()]
+        """One shell line; the key and every `$VAR` reference of the variables as `"$VARIABLE"`, expanded by the
+        shell that runs it."""
+        assignments = [
+            f'{name}="${ref}"' if (ref := env_reference(value)) else f"{name}={shlex.quote(value)}"
+            for name, value in self.env.items()
+        ]
         argv = shlex.join(self.argv)
         if self.key_variable and self.key_env:
             assignments.append(f'{self.key_env}="${self.key_variable}"')

@@ -20,8 +20,15 @@ class HubError(ValueError):
 
 
 def check_repo_id(repo_id: str) -> None:
+    """An `org/name` the Hub accepts (`huggingface_hub`'s own rules: no `--` or `..`, no leading `-`, ...)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     if not REPO_ID.match(repo_id):
         raise HubError(f"--push-to-hub {repo_id!r}: give the repo as org/name")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise HubError(f"--push-to-hub {repo_id!r}: not a repo id the Hub accepts ({exc})") from None
 
 
 def check_publishable(folder: Path) -> None:

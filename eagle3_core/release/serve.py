@@ -28,6 +28,12 @@ PHASE = "serve"
 POLL_S = 1.0
 
 
+def serve_dir(config: PipelineConfig) -> Path:
+    """`<run_dir>/serve/`: the served engine's pid file and log, and the lock that keeps one `eagle3 serve` a run
+    folder (the run's own phases write beside it)."""
+    return Path(config.run_dir) / PHASE
+
+
 def export_folder(draft: Path) -> Path:
     """The loadable folder of `draft`: a training run's draft folder (its `export/`) or an export folder."""
     for folder in (DraftLayout(draft).export, draft):
@@ -92,7 +98,7 @@ def engine_server(
     progress: ProgressCallback,
 ) -> EngineServer:
     """The server of `served.command`, not yet started; its argv is the command's (`test_serve` checks)."""
-    run_dir = Path(config.run_dir) / PHASE
+    run_dir = serve_dir(config)
     k = served.choice.k
     if served.command.engine == "vllm":
         extra = speculative_args(export_dir, k, config.server.extra_args)

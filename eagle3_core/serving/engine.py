@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from eagle3_core.config import ServerConfig
 from eagle3_core.devices import host_facts
 from eagle3_core.dtypes import resolve_dtype
@@ -30,7 +32,7 @@ from eagle3_core.serving.lifecycle import (
     PortInUseError,
     free_port,
 )
-from eagle3_core.serving.processes import ServerError, stop_server
+from eagle3_core.serving.processes import ServerError, expand_references, stop_server
 
 __all__ = [
     "EngineDied",
@@ -176,9 +178,9 @@ def server_variables(config: ServerConfig) -> dict[str, str]:
 
 
 def build_env(config: ServerConfig, api_key: str | None) -> dict[str, str]:
-    """The parent's environment and `server_variables`; the API key travels in the environment
-    (VLLM_API_KEY), never on the command line where `ps` would show it."""
-    env = {**os.environ, **server_variables(config)}
+    """The parent's environment and `server_variables` (their `$VAR` references expanded); the API key
+    travels in the environment (VLLM_API_KEY), never on the command line where `ps` would show it."""
+    env = {**os.environ, **expand_references(server_variables(config))}
     if api_key:
         env["VLLM_API_KEY"] = api_key
     return env
@@ -192,11 +194,22 @@ def api_key_of(config: ServerConfig) -> str | None:
 class ExternalServer:
     """An already running OpenAI-compatible server: used as is, never started or stopped."""
 
+    reach_timeout_s = 10.0
+
     def __init__(self, url: str, api_key: str | None = None):
         self.base_url = re.sub(r"/v1/?$", "", url.rstrip("/"))
         self.api_key = api_key
 
     def start(self) -> ExternalServer:
+        """Check that the server answers at all (any HTTP status: a wrong key or path is the requests' to
+        report); one that does not is a `ServerError` naming the URL, before any work starts."""
+        try:
+            httpx.get(f"{self.base_url}/v1/models", timeout=self.reach_timeout_s)
+        except httpx.TransportError as exc:
+            raise ServerError(
+                f"the external server at {self.base_url} does not answer ({type(exc).__name__}: {exc}): start it, "
+                "or fix server.url"
+            ) from None
         return self
 
     def stop(self) -> None:

@@ -24,12 +24,21 @@ import httpx
 import psutil
 
 from eagle3_core.config import ServerConfig
-from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
+from eagle3_core.events import DECISION, ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.hosts import HostSlice
 from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.serving.parent_death import die_with_parent
-from eagle3_core.serving.processes import POLL_S, ServerError, kill_tree, stop_server, wait_gpu_release, write_pid_file
+from eagle3_core.serving.processes import (
+    POLL_S,
+    ServerError,
+    kill_tree,
+    live_owner,
+    read_pid_file,
+    stop_server,
+    wait_gpu_release,
+    write_pid_file,
+)
 
 LOG_TAIL_LINES = 40
 ERROR_LINE = re.compile(r"\bERROR\b|^Traceback|^[\w.]+(Error|Exception)\b|out of memory")
@@ -307,8 +316,17 @@ class EngineServer:
 
     def stop_stale(self) -> None:
         """Stop every server a crashed run of this run directory (of this slice) left behind on this host
-        (found by pid file), whichever engine it was."""
+        (found by pid file, its owner gone), whichever engine it was. A live owner's server is left running."""
         for pid_file in self.layout.pid_files():
+            owner = live_owner(read_pid_file(pid_file) or {})
+            if owner is not None:
+                self.events.record(
+                    self.phase,
+                    DECISION,
+                    f"left the server of {pid_file.name} running: its owner, pid {owner.pid} on {owner.host}, is alive",
+                    owner_pid=owner.pid,
+                )
+                continue
             stopped = stop_server(pid_file, self.config.stop_grace_s, self.config.gpu_release_timeout_s)
             if stopped:
                 self.events.record(

@@ -21,6 +21,7 @@ from eagle3_core.config import EvaluationConfig, ServerConfig
 from eagle3_core.gpus import has_cuda_gpus
 from eagle3_core.server_defaults import concrete_server
 from eagle3_core.serving.lifecycle import EngineServer, free_port
+from eagle3_core.serving.processes import expand_references
 
 LOAD_END = re.compile(r"Load weight end\. elapsed=(?P<seconds>[\d.]+) s")
 
@@ -71,8 +72,8 @@ def sglang_variables(launch: SglangLaunch) -> dict[str, str]:
 
 
 def sglang_env(launch: SglangLaunch) -> dict[str, str]:
-    """The parent's environment and `sglang_variables`."""
-    return {**os.environ, **sglang_variables(launch)}
+    """The parent's environment and `sglang_variables` (their `$VAR` references expanded)."""
+    return {**os.environ, **expand_references(sglang_variables(launch))}
 
 
 def parse_load_end(line: str) -> float | None:

@@ -10,7 +10,6 @@ which is used in place too. An existing folder wins over a Hub id spelt the same
 from __future__ import annotations
 
 import fcntl
-import json
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +18,7 @@ from pathlib import Path
 from eagle3_core.artifacts import ArtifactInvalid, FileRecord, TargetModel, record_files
 from eagle3_core.config import TargetConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
-from eagle3_core.files import read_json_object, sha256_json
+from eagle3_core.files import UnreadableFile, read_json_object, sha256_json
 from eagle3_core.phases import PREPARE_TARGET
 from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.target.digest import weight_digests
@@ -39,6 +38,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # vLLM applies generation_config.json's sampling defaults: a changed one is another target.
 DIGESTED_FILES = ("generation_config.json", "model.safetensors.index.json")
 DEFAULT_CACHE = TargetConfig.model_fields["cache_dir"].default
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")  # one holds the tokens
+TEXT_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size")
 
 
 def convert_gguf(gguf: Path, out_dir: Path, dtype: str) -> None:
@@ -73,7 +74,17 @@ def describe_folder(
     records each weight file with its content's sha256 (`digest.weight_digests`, kept under `cache_dir`), the
     weight sizes and the text config's fields later phases read (the one read of config.json). Without
     `hash_weights` (a plan), weights are recorded only where their digests are already kept."""
-    config = read_json_object(model_dir / "config.json", "download the model again or point target.model elsewhere")
+    remedy = "download the model again or point target.model elsewhere"
+    config = read_json_object(model_dir / "config.json", remedy)
+    text = config.get("text_config", config)
+    missing = [field for field in TEXT_FIELDS if not isinstance(text.get(field), int)]
+    if missing:
+        raise UnreadableFile(
+            f"{model_dir / 'config.json'}: no {', '.join(missing)} (a model's config states them); {remedy}"
+        )
+    weights = sorted(model_dir.glob("*.safetensors"))  # none: a config to plan with, not a model to run
+    if weights and not any((model_dir / name).is_file() for name in VOCABULARY_FILES):
+        raise FileNotFoundError(f"{model_dir}: no tokenizer ({', '.join(VOCABULARY_FILES)}: none is there); {remedy}")
     hashed = [model_dir / "config.json"] + [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).exists()]
     hashed += [model_dir / f for f in DIGESTED_FILES if (model_dir / f).exists()]
     files = record_files(model_dir, hashed)
@@ -81,9 +92,8 @@ def describe_folder(
     files += [FileRecord.of(model_dir / name, model_dir, sha) for name, sha in digests.items()]
     template_file = model_dir / "chat_template.jinja"
     tokenizer_config = model_dir / "tokenizer_config.json"
-    template = template_file.read_text() if template_file.exists() else None
-    if template is None and tokenizer_config.exists():
-        template = json.loads(tokenizer_config.read_text()).get("chat_template")
+    tokenizer_settings = read_json_object(tokenizer_config, remedy) if tokenizer_config.exists() else {}
+    template = template_file.read_text() if template_file.exists() else tokenizer_settings.get("chat_template")
     return TargetModel(
         root=str(model_dir.resolve()),
         files=files,
@@ -92,7 +102,7 @@ def describe_folder(
         config_digest=files[0].sha256,
         tokenizer_digest=tokenizer_digest({f.path: f.sha256 for f in files[1:]}),
         chat_template=template,
-        weights={p.name: p.stat().st_size for p in sorted(model_dir.glob("*.safetensors"))},
+        weights={p.name: p.stat().st_size for p in weights},
         **manifest_fields(config),
     )
 

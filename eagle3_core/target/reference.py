@@ -67,9 +67,18 @@ class TargetReference:
 
 
 def parse_hub_id(model: str) -> HubId | None:
-    """`org/name` or `org/name@revision` as a HubId; None for anything else."""
+    """`org/name` or `org/name@revision` as a HubId; None for anything else. A repo id huggingface_hub would
+    refuse (`a/b..c`, a name too long) is one error naming target.model, before anything is fetched."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     match = HUB_ID.fullmatch(model)
-    return None if match is None else HubId(match["repo_id"], match["revision"] or "main")
+    if match is None:
+        return None
+    try:
+        validate_repo_id(match["repo_id"])
+    except HFValidationError as exc:
+        raise HubTargetError(f"target.model {model!r}: not a Hub id huggingface_hub accepts ({exc})") from None
+    return HubId(match["repo_id"], match["revision"] or "main")
 
 
 def reference_of(model: str) -> TargetReference:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ from eagle3_core.draft.export import export_draft, load_exported, sglang_ignores
 from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_core.draft.shape import trained_draft_config, turned_off_for_sglang
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
-from eagle3_core.files import UnreadableFile, folder_identity, remove_dead_temps, sha256_json, write_text_atomic
+from eagle3_core.files import folder_identity, remove_dead_temps, sha256_json, write_text_atomic
 from eagle3_core.kept import switch_key
 from eagle3_core.phases import TRAINING, phase_key
 from eagle3_core.progress import ProgressCallback, ignore_progress
@@ -278,18 +277,14 @@ def export_training_state(
     """Export a resumable training state (default: the newest) as a vLLM/SGLang folder, e.g. to serve an
     intermediate step while training goes on: its weight average where it keeps one (`training.ema_decay`),
     as the phase's own export."""
-    from eagle3_core.training.state import latest_state
+    from eagle3_core.training.state import latest_state, read_state_file
 
     state_dir = RunLayout.of(config).draft.state
     state_file = state_file or latest_state(state_dir)
     if state_file is None:
         raise FileNotFoundError(f"no training state under {state_dir}")
     draft = Eagle3Draft(draft_config_of(config, target, vocab_map, hidden_states.layer_ids))
-    try:
-        state = torch.load(state_file, map_location="cpu", weights_only=False)
-    except (RuntimeError, pickle.UnpicklingError, EOFError) as exc:
-        remedy = f"pass another --state (training keeps its newest states in {state_dir})"
-        raise UnreadableFile(f"{state_file}: not a readable training state ({exc}); {remedy}") from None
+    state = read_state_file(state_file, f"pass another --state (training keeps its newest states in {state_dir})")
     model = {**state["model"], **(state.get("ema") or {})}  # the averaged trainable weights over the raw ones
     missing, unexpected = draft.load_state_dict({k.removeprefix("draft."): v for k, v in model.items()}, strict=False)
     if missing != ["embed_tokens.weight"] or unexpected:

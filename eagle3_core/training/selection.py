@@ -132,7 +132,8 @@ class EpochSelection:
         if not self.keep_best:
             return None, validation_metrics(self.validations[-1])
         best = best_validation(self.validations)
-        set_model_state(module, torch.load(best_path(self.state_dir, int(best["step"])), map_location="cpu"))
+        best_weights = torch.load(best_path(self.state_dir, int(best["step"])), map_location="cpu", weights_only=True)
+        set_model_state(module, best_weights)
         last = self.validations[-1]
         if self.group.is_main:
             budget = self.total / self.steps_per_epoch

@@ -11,6 +11,7 @@ others, so the newest state's best weights survive any kill."""
 from __future__ import annotations
 
 import json
+import pickle
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -134,8 +135,8 @@ def latest_state(state_dir: Path) -> Path | None:
         return None
     remedy = f"delete it to train from the first step, or export a step-*.pt of {state_dir} with --state"
     name = read_json_object(latest, remedy).get("file")
-    if not isinstance(name, str):
-        raise UnreadableFile(f"{latest}: names no state file; {remedy}")
+    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        raise UnreadableFile(f"{latest}: names no state file of this folder ({name!r}); {remedy}")
     path = state_dir / name
     return path if path.exists() else None
 
@@ -152,6 +153,18 @@ def resumable_states(state_dir: Path) -> list[Path]:
     return [*([named] if named else []), *(path for path in newest_first if path != named)]
 
 
+def read_state_file(path: Path, remedy: str) -> dict[str, Any]:
+    """A training state's payload, loaded with `weights_only` (tensors and plain data: a pickle's code never
+    runs); anything else, an `UnreadableFile` naming the file and why in one line."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError) as exc:
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        # torch's weights-only refusal: a page of advice, the reason on its second-to-last line
+        reason = lines[-2] if lines[0].startswith("Weights only load failed") and len(lines) > 2 else lines[0]
+        raise UnreadableFile(f"{path}: not a readable training state ({reason}); {remedy}") from None
+
+
 def load_state(
     path: Path,
     module: nn.Module,
@@ -160,7 +173,7 @@ def load_state(
 ) -> dict[str, Any]:
     """Restore everything saved by `save_state`; returns step, position, history, validations and the EMA
     state (None when none was saved)."""
-    payload = torch.load(path, map_location="cpu", weights_only=False)
+    payload = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data: no code runs
     set_model_state(module, payload["model"])
     set_optimizer_state_dict(module, optimizer, payload["optimizer"], options=FULL)
     scheduler.load_state_dict(payload["scheduler"])

@@ -9,7 +9,8 @@ The package, read top down:
   `ensure_concurrency_limit` (create the limit), and the records' types for the callers that read them;
 - `leases`: the Prefect side: the limit, taking a slot (waiting for a live holder, giving back a dead
   one's), giving it back, and telling a dead holder (`death_of`);
-- `records`: the holders on disk and their processes' liveness, pure bookkeeping without Prefect."""
+- `records`: the holders on disk and their processes' liveness, pure bookkeeping without Prefect;
+- `renewal`: keeping the held slot's lease, or stopping its holder (`SlotLost`) before the lease runs out."""
 
 from __future__ import annotations
 
@@ -17,14 +18,17 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from uuid import UUID
 
-from prefect.concurrency._leases import maintain_concurrency_lease
+import httpx
+from prefect.client.orchestration import get_client
 
 from eagle3_core.events import RunEvents
 from eagle3_core.progress import ProgressCallback
 from tasks.gpu_slot.leases import GPU_SLOTS, LEASE_S, death_of, ensure_concurrency_limit, give_back, take_slot
 from tasks.gpu_slot.records import HolderBook, HolderRecord, ProcessIdentity
+from tasks.gpu_slot.renewal import LeaseRevoked, SlotLost, kept_lease
 
 __all__ = [
     "GPU_SLOTS",
@@ -32,6 +36,7 @@ __all__ = [
     "HolderBook",
     "HolderRecord",
     "ProcessIdentity",
+    "SlotLost",
     "death_of",
     "ensure_concurrency_limit",
     "gpu_slot",
@@ -39,6 +44,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("eagle3.gpu")
+LEASE_GONE = (404, 410)  # what a Prefect server answers a renewal of a lease it expired or revoked
 
 
 def waiting_progress() -> ProgressCallback:
@@ -68,11 +74,23 @@ def gpu_slot(
     phase = phase or current_phase()
     book, lease_id = take_slot(name, events, phase, progress or waiting_progress(), time.sleep)
     try:
-        # A lease renewal that fails once (a busy API) must not kill a 25-minute extraction mid-shard.
-        with maintain_concurrency_lease(UUID(lease_id), LEASE_S, raise_on_lease_renewal_failure=False):
+        # A renewal that fails once (a busy API) must not kill a 25-minute extraction mid-shard; one that
+        # keeps failing stops the phase before the server gives the slot to another run.
+        with kept_lease(partial(renew, lease_id), LEASE_S, f"the `{name}` slot of {phase}"):
             yield
     finally:
         give_back(book, lease_id)
+
+
+def renew(lease_id: str) -> None:
+    """Renew the lease; `LeaseRevoked` when the server no longer has it (410 Gone, or 404)."""
+    with get_client(sync_client=True) as client:
+        try:
+            client.renew_concurrency_lease(lease_id=UUID(lease_id), lease_duration=LEASE_S)
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code in LEASE_GONE:
+                raise LeaseRevoked(f"lease {lease_id} is no longer on the server") from None
+            raise
 
 
 def phase_slot(name: str, shared: object | None, events: RunEvents | None = None) -> AbstractContextManager[None]:

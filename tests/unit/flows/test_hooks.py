@@ -17,6 +17,7 @@ from eagle3_core.run_layout import RunLayout
 from eagle3_core.serving.processes import write_pid_file
 from flows.hooks import stop_engines
 from tasks.hosts import on_host
+from tests.helpers.processes import owned_engine
 
 PARENT_WITH_CHILD = (
     "import subprocess, sys, time; "
@@ -88,3 +89,24 @@ def test_a_hosts_crash_hook_stops_its_slices_engines_only(tmp_path: Path):
         for engine in engines:
             if engine.poll() is None:
                 engine.kill()
+
+
+def test_the_hook_of_another_run_leaves_a_live_owners_engine_and_stops_it_once_its_owner_is_dead(tmp_path: Path):
+    """A pid file names the process that started its engine: a second run's crash or cancel hook on the same
+    run folder never stops the engine of a run that is still alive; once that run is killed, it does."""
+    config = PipelineConfig(run_dir=tmp_path / "run")
+    pid_file = RunLayout.of(config).pid_file("sampling")
+    owner, pid = owned_engine(pid_file)
+    engine = psutil.Process(pid)
+    try:
+        crash(config)
+        assert engine.is_running() and pid_file.exists(), "a live run's engine was stopped by another run"
+        owner.kill()
+        owner.wait()
+        crash(config)
+        engine.wait(timeout=30)
+        assert not pid_file.exists()
+    finally:
+        owner.kill()
+        if engine.is_running():
+            engine.kill()

@@ -15,7 +15,7 @@ import psutil
 from prefect.settings import PREFECT_HOME, temporary_settings
 
 from eagle3_core.events import RunEvents
-from flows.temporary_server import APP, records_dir, stop_leftover_servers
+from flows.temporary_server import APP, RUN_ENV, records_dir, stop_leftover_servers
 from tasks.gpu_slot import ProcessIdentity
 from tests.helpers.processes import dead_pid, decisions
 
@@ -65,4 +65,25 @@ def test_a_run_stops_the_temporary_servers_a_killed_run_left_behind(tmp_path: Pa
     finally:
         for process in (mine, theirs, psutil.Process(recorded.pid) if recorded.poll() is None else None):
             if process is not None and process.is_running():
+                process.kill()
+
+
+def test_a_server_whose_run_is_alive_is_never_stopped_even_re_parented_to_init(tmp_path: Path):
+    """In a container where `eagle3 run` is PID 1, its temporary server's parent is PID 1, as an orphan's is:
+    a second run tells them apart by the run the server names, and stops only the dead run's."""
+    home = (tmp_path / "prefect-home").resolve()
+    fake_server = [sys.executable, "-c", "import time; time.sleep(600)", APP]
+    env = {**os.environ, "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT_HOME": str(home)}
+    live_run = json.dumps(vars(ProcessIdentity.current()))
+    dead_run = json.dumps({"host": ProcessIdentity.current().host, "pid": dead_pid(), "started": time.time() - 60})
+    first = orphan(fake_server, {**env, RUN_ENV: live_run})
+    dead = orphan(fake_server, {**env, RUN_ENV: dead_run})
+    try:
+        with temporary_settings({PREFECT_HOME: str(home)}):
+            stopped = stop_leftover_servers(RunEvents(tmp_path / "run"))
+        assert stopped == [dead.pid]
+        assert first.is_running(), "the live run's temporary server was stopped"
+    finally:
+        for process in (first, dead):
+            if process.is_running():
                 process.kill()

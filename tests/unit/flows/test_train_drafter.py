@@ -1,11 +1,15 @@
-"""The train-drafter flow's order of phases: what it refuses before the first engine starts."""
+"""The train-drafter flow's order of phases: what it refuses before the first engine starts; a run folder another
+process writes is refused by the flows themselves."""
 
 from __future__ import annotations
 
 import pytest
 
 from eagle3_core.config import ConfigError, PipelineConfig
-from flows.train_drafter import run_all_phases
+from eagle3_core.run_lock import RunDirBusy
+from flows.regenerate import regenerate
+from flows.train_drafter import run_all_phases, train_drafter
+from tests.helpers.bad_input import run_dir_holder
 from tests.helpers.targets import smollm2_shaped_target
 
 
@@ -42,3 +46,19 @@ def test_a_target_that_fits_goes_on_to_sampling(tmp_path):
     with pytest.raises(RuntimeError, match="sampling ran"):
         run_all_phases(PipelineConfig.model_validate({"run_dir": str(tmp_path)}), runner)
     assert runner.phases == ["prepare_target", "sampling"]
+
+
+@pytest.mark.parametrize(("flow", "body"), [
+    (train_drafter, "flows.train_drafter.run_pipeline"),
+    (regenerate, "flows.regenerate.regenerate_holding_the_run_dir"),
+])  # fmt: skip
+def test_a_flow_on_a_run_folder_another_process_writes_is_refused_before_any_phase(tmp_path, monkeypatch, flow, body):
+    """A deployment's run (a worker's process, not `eagle3 run`) takes the run folder's lock too."""
+    monkeypatch.setattr(body, pytest.fail)
+    holder = run_dir_holder(tmp_path / "run", ["eagle3", "sample"])
+    try:
+        with pytest.raises(RunDirBusy, match=f"in use by pid {holder.pid} .*`eagle3 sample`"):
+            flow.fn(PipelineConfig(run_dir=tmp_path / "run"))
+    finally:
+        holder.kill()
+        holder.wait()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from eagle3_core.artifacts import EvalReport, TargetModel
 from eagle3_core.config import PipelineConfig
@@ -117,8 +118,6 @@ def test_cli_evaluate_exits_1_when_the_guard_fails_and_0_when_it_passes(setup, t
     assert EvalReport.load(tmp_path / "eval").measurements["transformers"]["sets"].keys() == {"humaneval"}
 
 
-def test_nothing_to_measure_is_refused(setup, tmp_path: Path) -> None:
-    target, sample_set, checkpoint = setup
-    config = make_config(tmp_path, with_transformers=False)
-    with pytest.raises(ValueError, match="nothing to measure"):
-        evaluate_draft(config, checkpoint, target, sample_set, RunEvents(tmp_path))
+def test_nothing_to_measure_is_refused_by_the_config(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="both off: nothing would be measured"):
+        make_config(tmp_path, with_transformers=False)

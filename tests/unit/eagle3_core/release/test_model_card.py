@@ -48,7 +48,7 @@ def run(tiny_llama: TargetModel, tmp_path_factory: pytest.TempPathFactory):
     checkpoint = exported_checkpoint(random_draft(target), run_dir / "draft")
     config = PipelineConfig.model_validate({
         "run_dir": str(run_dir),
-        "sampling": {"holdout_fraction": 0.5, "prompt_files": ["prompts/a.jsonl", "prompts/b.parquet"]},
+        "sampling": {"holdout_fraction": 0.5, "prompt_files": ["/home/me/prompts/a.jsonl", "prompts/b.parquet"]},
         "evaluation": {"max_prompts": 2, "max_new_tokens": 12, "with_vllm": False, "lossless_check_prompts": 1,
                        "cpu_threads": 1, "acceptance_floor": 0.0, "prompt_sets": ["holdout"]},
     })  # fmt: skip
@@ -67,7 +67,7 @@ def test_the_card_before_and_after_the_evaluation(run) -> None:
         "pipeline_tag": "text-generation",
     }
     assert "Not measured yet" in body and "k = 3: no evaluation report of this draft" in body
-    assert "prompt files: prompts/a.jsonl, prompts/b.parquet" in body
+    assert "prompt files: a.jsonl, b.parquet" in body and "/home/me" not in card.read_text()  # names, not paths
     assert f"{sample_set.ok} answers of the target to {sample_set.prompts} prompts (1 response per prompt)" in body
     draft = json.loads((export / "config.json").read_text())
     assert f"{draft['draft_vocab_size']} of {draft['vocab_size']} target tokens" in body

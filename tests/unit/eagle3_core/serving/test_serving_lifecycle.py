@@ -17,12 +17,15 @@ import psutil
 import pytest
 
 from eagle3_core.config import ServerConfig
-from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
+from eagle3_core.events import DECISION, ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
 from eagle3_core.hosts import HostSlice
 from eagle3_core.progress import ProgressUpdate
 from eagle3_core.serving import engine as serving
 from eagle3_core.serving import lifecycle
 from eagle3_core.serving import processes as server_processes
+from tests.helpers.openai_standin import OpenAIStandIn
+from tests.helpers.openai_standin import serving as serving_standin
+from tests.helpers.processes import owned_engine
 
 FAKE_SERVER = textwrap.dedent(
     """
@@ -188,6 +191,23 @@ def test_stale_server_from_crashed_run_is_stopped_at_next_start(tmp_path, fake_e
     assert list((tmp_path / "server").glob("*.pid")) == []
 
 
+def test_an_engine_start_leaves_a_live_runs_engine_of_the_same_run_folder_running(tmp_path, fake_engine):
+    """A pid file names its owner: the stale-engine cleanup before a start stops only a dead owner's engine,
+    and says in a decision line which one it left running."""
+    events = RunEvents(tmp_path)
+    owner, pid = owned_engine(tmp_path / "server" / "sampling.pid")
+    try:
+        with serving.VllmServer(fake_engine(), "model", tmp_path, events, phase="extraction") as fresh:
+            assert fresh.healthy() and psutil.Process(pid).is_running()
+        [left] = [e["message"] for e in events.read() if e["event"] == DECISION]
+        host = socket.gethostname()
+        assert left == f"left the server of sampling.pid running: its owner, pid {owner.pid} on {host}, is alive"
+    finally:
+        owner.kill()
+        owner.wait()
+        serving.stop_server(tmp_path / "server" / "sampling.pid", grace_s=5)
+
+
 def test_occupied_port_is_a_clear_error(tmp_path, fake_engine):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -211,9 +231,18 @@ def test_stop_server_hook_stops_by_pid_file(tmp_path, fake_engine):
 
 def test_external_server_starts_and_stops_nothing(monkeypatch):
     monkeypatch.setattr(lifecycle.subprocess, "Popen", None)
-    server = serving.ExternalServer("http://10.0.0.5:8000/v1/", "key")
-    with server as same:
-        assert same.base_url == "http://10.0.0.5:8000" and same.api_key == "key"
+    with serving_standin(OpenAIStandIn) as url:
+        server = serving.ExternalServer(f"{url}/v1/", "key")
+        with server as same:
+            assert same.base_url == url and same.api_key == "key"
+
+
+def test_an_external_server_that_does_not_answer_is_a_clear_error_at_its_start():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with pytest.raises(serving.ServerError, match=f"^the external server at {url} does not answer .*server.url$"):
+            serving.ExternalServer(f"{url}/v1").start()
 
 
 def test_each_hosts_slice_has_its_own_engine_files_and_its_restart_stops_only_its_own(tmp_path, fake_engine):
