@@ -137,9 +137,13 @@ def hub_dataset_folder(source: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
-    from eagle3_core.target.hub import parse_hub_id
+    from eagle3_core.target.hub import HubTargetError
+    from eagle3_core.target.reference import parse_hub_id
 
-    hub = parse_hub_id(source)
+    try:
+        hub = parse_hub_id(source, "sampling.prompt_files")
+    except HubTargetError as exc:
+        raise PromptFileError(str(exc)) from None
     if hub is None:
         raise PromptFileError(f"{source}: prompt file not found")
     patterns = [f"*{suffix}" for suffix in FILE_TYPES]

@@ -66,9 +66,9 @@ class TargetReference:
         return f"local folder {self.folder}"
 
 
-def parse_hub_id(model: str) -> HubId | None:
+def parse_hub_id(model: str, field: str = "target.model") -> HubId | None:
     """`org/name` or `org/name@revision` as a HubId; None for anything else. A repo id huggingface_hub would
-    refuse (`a/b..c`, a name too long) is one error naming target.model, before anything is fetched."""
+    refuse (`a/b..c`, a name too long) is one error naming `field`, before anything is fetched."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     match = HUB_ID.fullmatch(model)
@@ -77,7 +77,7 @@ def parse_hub_id(model: str) -> HubId | None:
     try:
         validate_repo_id(match["repo_id"])
     except HFValidationError as exc:
-        raise HubTargetError(f"target.model {model!r}: not a Hub id huggingface_hub accepts ({exc})") from None
+        raise HubTargetError(f"{field} {model!r}: not a Hub id huggingface_hub accepts ({exc})") from None
     return HubId(match["repo_id"], match["revision"] or "main")
 
 

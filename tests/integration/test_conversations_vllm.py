@@ -72,15 +72,20 @@ def greedy_answer(base_url: str, messages: list[dict], tools: list[dict]) -> tup
     return message["content"] or "", [c["function"] for c in message.get("tool_calls") or []]
 
 
+def turns_config(run_dir: Path, target_root: str, base_url: str, prompts: Path) -> dict:
+    """The replay's config (every compute dtype pinned: its answers are compared token for token)."""
+    return pinned_dtypes({
+        "run_dir": str(run_dir),
+        "target": {"model": target_root},
+        "server": {"engine": "external", "url": base_url, "tool_call_parser": "hermes"},
+        "sampling": {"prompt_files": [str(prompts)], "turns": "all", "max_tokens": MAX_TOKENS, "concurrency": 1},
+    })
+
+
 def test_three_user_turns_answered_in_order_and_resumed_at_the_turn_after_a_kill(tool_engine, tmp_path):
     target, engine = tool_engine
-    data = pinned_dtypes({
-        "run_dir": str(tmp_path / "run"),
-        "target": {"model": str(target.root)},
-        "server": {"engine": "external", "url": engine.base_url, "tool_call_parser": "hermes"},
-        "sampling": {"prompt_files": [str(write_jsonl(tmp_path / "chat.jsonl", [CHAT]))], "turns": "all",
-                     "max_tokens": MAX_TOKENS, "concurrency": 1},
-    })  # fmt: skip
+    prompts = write_jsonl(tmp_path / "chat.jsonl", [CHAT])
+    data = turns_config(tmp_path / "run", str(target.root), engine.base_url, prompts)
     config_file = tmp_path / "chat.yaml"
     config_file.write_text(yaml.safe_dump(data))
     log = tmp_path / "run" / "samples" / LOG_FILE

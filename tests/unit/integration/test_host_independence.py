@@ -24,6 +24,9 @@ AVX512_BF16 = ("AMD EPYC (Zen 4)", frozenset({"avx2", "avx512f", "avx512_bf16"})
 INTEGRATION = Path(__file__).parents[2] / "integration"
 # Every config builder of tests/integration, called as its tests call it: module -> (module, run dir) -> config.
 BUILDERS: dict[str, Callable[[Any, Path], PipelineConfig]] = {
+    "test_conversations_vllm": lambda m, tmp: PipelineConfig.model_validate(
+        m.turns_config(tmp, str(tmp), "http://127.0.0.1:1/v1", tmp / "chat.jsonl")
+    ),
     "test_deepseek_vllm": lambda m, tmp: m.pipeline_config(tmp),
     "test_engine_death": lambda m, tmp: m.small_config(tmp),
     "test_evaluation_vllm": lambda m, tmp: m.pipeline_config(tmp),

@@ -26,9 +26,11 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hid
 
 
 def tiny_folder(root: Path, seed: int = 0) -> Path:
-    """A folder of config.json, generation_config.json and one safetensors file of random weights."""
+    """A folder of config.json, generation_config.json, a (word-level) tokenizer and one safetensors file of
+    random weights."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(CONFIG))
+    (root / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordLevel", "vocab": {"a": 0}}}))
     (root / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9}))
     write_weights(root, seed)
     return root
