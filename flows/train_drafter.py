@@ -28,7 +28,7 @@ from eagle3_core.devices import host_facts
 from eagle3_core.dtypes import record_dtype_decision
 from eagle3_core.engine_versions import require_supported_vllm
 from eagle3_core.events import RunEvents
-from eagle3_core.extraction.layout import resolve_layer_ids
+from eagle3_core.hidden_states.layers import resolve_layer_ids
 from eagle3_core.planning.plan import plan_run, render_plan
 from eagle3_core.server_defaults import record_server_decision, resolved_server_config
 from flows.hooks import stop_engines

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_core.extraction.storage import LAST_STATE_NORMED, SampleRow, SampleStates, quantize_fp8
+from eagle3_core.hidden_states.storage import LAST_STATE_NORMED, SampleRow, SampleStates, quantize_fp8
 
 
 def resolve_device(device: str) -> torch.device:

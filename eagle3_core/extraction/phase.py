@@ -20,10 +20,11 @@ from eagle3_core.artifacts import ArtifactInvalid, FileRecord, HiddenStateSet, S
 from eagle3_core.config import ExtractionConfig, PipelineConfig
 from eagle3_core.dtypes import resolve_dtype
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
-from eagle3_core.extraction.layout import resolve_layer_ids
 from eagle3_core.extraction.preflight import preflight_extraction
-from eagle3_core.extraction.reader import INDEX_FILE
-from eagle3_core.extraction.storage import (
+from eagle3_core.files import sha256_json, write_text_atomic
+from eagle3_core.hidden_states.layers import resolve_layer_ids
+from eagle3_core.hidden_states.reader import INDEX_FILE
+from eagle3_core.hidden_states.storage import (
     LAST_STATE_NORMED,
     BackgroundShardWriter,
     ExtractionBackend,
@@ -33,7 +34,6 @@ from eagle3_core.extraction.storage import (
     check_sample,
     shard_name,
 )
-from eagle3_core.files import sha256_json, write_text_atomic
 from eagle3_core.hosts import host_slice, in_slice
 from eagle3_core.phases import EXTRACTION, phase_key
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from eagle3_core.config import ServerConfig, TrainingConfig
 from eagle3_core.devices import DeviceFacts
-from eagle3_core.extraction.storage import bytes_per_token
+from eagle3_core.hidden_states.storage import bytes_per_token
 from eagle3_core.model_size import ModelSize
 from eagle3_core.sampling.prompts import Prompt
 

@@ -13,7 +13,7 @@ from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.devices import GIB, DeviceFacts
 from eagle3_core.evaluation.phase import served_unavailable
-from eagle3_core.extraction.layout import resolve_layer_ids
+from eagle3_core.hidden_states.layers import resolve_layer_ids
 from eagle3_core.model_size import ModelSize, model_size
 from eagle3_core.planning.cached import DonePhases, find_done
 from eagle3_core.planning.estimate import (

@@ -151,7 +151,7 @@ def train_ranks(
 ) -> DraftCheckpoint:
     """This rank's part of training: every rank trains, rank 0 exports and writes the manifest. `cfg` and
     `upstream`: `phase_config` and `upstream_of`, as `train_draft` checked the cache with them."""
-    from eagle3_core.extraction.reader import HiddenStateDataset
+    from eagle3_core.hidden_states.reader import HiddenStateDataset
 
     tc = config.training
     draft_dir = RunLayout.of(config).draft

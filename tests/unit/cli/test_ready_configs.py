@@ -19,9 +19,9 @@ from eagle3_core.evaluation import preflight as evaluation_preflight
 from eagle3_core.evaluation.preflight import preflight_evaluation
 from eagle3_core.events import PREFLIGHT, RunEvents
 from eagle3_core.extraction import preflight as extraction_preflight
-from eagle3_core.extraction.layout import resolve_layer_ids
 from eagle3_core.extraction.preflight import preflight_extraction
-from eagle3_core.extraction.storage import bytes_per_token
+from eagle3_core.hidden_states.layers import resolve_layer_ids
+from eagle3_core.hidden_states.storage import bytes_per_token
 from eagle3_core.preflight import PreflightError
 from eagle3_core.sampling import preflight as sampling_preflight
 from eagle3_core.sampling.preflight import preflight_sampling

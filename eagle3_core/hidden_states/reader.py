@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch.utils.data import Dataset
 
 from eagle3_core.artifacts import HiddenStateSet
-from eagle3_core.extraction.storage import read_sample
+from eagle3_core.hidden_states.storage import read_sample
 
 log = logging.getLogger("eagle3")
 INDEX_FILE = "index.json"
