@@ -632,6 +632,26 @@ class TrainingConfig(Section):
         "a CPU); N > 1 on a CPU = N gloo workers.",
         json_schema_extra=operational("training"),
     )
+    data: Literal["offline", "online"] = Field(
+        "offline",
+        description="Where training's hidden states come from: offline = the set extraction stored on disk; online "
+        "= the target's extraction engine runs beside training and answers for each batch's samples ahead of the "
+        "step (no hidden-state set on disk; each epoch prefills again unless online_cache_gb keeps them).",
+        json_schema_extra=added_content("training"),
+    )
+    online_prefetch: PositiveInt = Field(
+        64,
+        description="Online: samples whose states are asked for ahead of the step that trains on them (the "
+        "bound on states waiting in memory, and on the engine's files on disk).",
+        json_schema_extra=operational("training"),
+    )
+    online_cache_gb: float = Field(
+        0.0,
+        ge=0,
+        description="Online: host memory (GB) that keeps states for the next epochs; 0 = ask the engine again "
+        "every epoch.",
+        json_schema_extra=operational("training"),
+    )
 
     @model_validator(mode="after")
     def _mla_draft_has_no_input_norm(self) -> TrainingConfig:

@@ -38,7 +38,7 @@ from eagle3_core.hosts import host_slice, in_slice
 from eagle3_core.phases import EXTRACTION, phase_key
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.run_layout import RunLayout
-from eagle3_core.sampling.table import iter_rows, row_heldout
+from eagle3_core.sampling.table import training_rows
 from eagle3_core.serving.shared import starts_engine
 
 PHASE = EXTRACTION.name
@@ -53,13 +53,6 @@ def phase_config(config: PipelineConfig, target: TargetModel) -> dict[str, Any]:
 
 def upstream_of(sample_set: SampleSet, target: TargetModel) -> dict[str, str]:
     return {"sample_set": sample_set.digest, "target": target.digest}
-
-
-def training_rows(sample_set: SampleSet, holdout_fraction: float) -> list[SampleRow]:
-    """Ok rows that are not held out for evaluation, in the SampleSet's order."""
-    return [
-        row for row in iter_rows(sample_set, status="ok") if row["input_ids"] and not row_heldout(row, holdout_fraction)
-    ]
 
 
 def plan_shards(rows: list[SampleRow], samples_per_shard: int) -> list[list[SampleRow]]:

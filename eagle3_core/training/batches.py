@@ -52,6 +52,13 @@ def step_batches(
         yield batches[index]
 
 
+def followed(data: Dataset, plan: Iterator[list[int]]) -> Iterator[list[int]]:
+    """`plan` through the dataset's own `follow` where it has one (`hidden_states.online.OnlineDataset`: the
+    states of the next steps are asked for ahead of them, in this very order); else `plan` itself."""
+    follow = getattr(data, "follow", None)
+    return follow(plan) if follow is not None else plan
+
+
 def collate_host(
     items: list[dict[str, torch.Tensor]],
     pad_multiple: int,

@@ -24,7 +24,7 @@ from eagle3_core.events import DECISION, RESUME, RunEvents
 from eagle3_core.phases import TRAINING
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.sampling.table import is_heldout
-from eagle3_core.training.batches import BatchPrefetcher, Dataset, collate, rank_batches, step_batches
+from eagle3_core.training.batches import BatchPrefetcher, Dataset, collate, followed, rank_batches, step_batches
 from eagle3_core.training.curves import TrainingCurves
 from eagle3_core.training.distributed import Group, all_reduce_sum, barrier, wrap
 from eagle3_core.training.ema import WeightAverage, averaged, weight_average
@@ -372,6 +372,7 @@ def run_training(
     curves.start(step, history)
     cadence = Cadence(history, schedule, step, tc.checkpoint_every, progress, report_interval_s, curves)
     plan = step_batches(len(train_data), tc.batch_size, group, tc.seed, schedule.steps_per_epoch, step, schedule.total)
+    plan = followed(train_data, plan)  # online: the engine is asked for these steps' states ahead
     with BatchPrefetcher(
         train_data, plan, device, pad_multiple, objective.ttt_steps, loss_on_prompt=tc.loss_on_prompt
     ) as batches:
