@@ -1,5 +1,5 @@
-"""The numbers of a plan, each a pure function: tokens a run will sample, the disk its hidden states take,
-the GPU memory of each engine rank, and the training steps.
+"""The numbers of a plan, each a pure function: tokens a run will sample, the disk its hidden states take
+(stored, or online's buffer), the GPU memory of each engine rank, and the training steps.
 
 Before sampling, a sample's tokens are expected, not known: its prompt at `CHARS_PER_TOKEN` characters a
 token (plus `MESSAGE_OVERHEAD_TOKENS` of chat template a message), and a response of `sampling.max_tokens`
@@ -66,6 +66,12 @@ def share(estimate: TokenEstimate, samples: int, source: str) -> TokenEstimate:
 def hidden_state_bytes(tokens: int, hidden_size: int, dtype: str) -> int:
     """Disk the hidden states of `tokens` take at the storage dtype (`extraction.dtype`: bf16 or fp8)."""
     return int(tokens * bytes_per_token(hidden_size, dtype))
+
+
+def online_buffer_bytes(in_flight: int, prefetch: int, tokens_per_sample: float, hidden_size: int, dtype: str) -> int:
+    """Online training's hidden states at any one time: the engine's files of the `in_flight` requests (on
+    disk until read) and the `prefetch` samples waiting in memory, at the storage dtype."""
+    return int((in_flight + prefetch) * tokens_per_sample * bytes_per_token(hidden_size, dtype))
 
 
 @dataclass(frozen=True)

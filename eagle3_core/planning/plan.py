@@ -20,6 +20,7 @@ from eagle3_core.planning.estimate import (
     TokenEstimate,
     expected_tokens,
     hidden_state_bytes,
+    online_buffer_bytes,
     rank_memory,
     share,
     training_processes,
@@ -179,6 +180,23 @@ def training_plan(config: PipelineConfig, facts: DeviceFacts, trained: int, done
     )
 
 
+def data_comparison(config: PipelineConfig, train_rows: TokenEstimate, hidden_size: int, epochs: float) -> str:
+    """Offline's disk and prefill against online's for this config (`training.data` marked chosen): online
+    stores no set but prefills the samples of every epoch again, unless `training.online_cache_gb` keeps them."""
+    ex, tc = config.extraction, config.training
+    stored = hidden_state_bytes(train_rows.tokens, hidden_size, ex.dtype)
+    per_sample = train_rows.tokens_per_sample
+    buffer = online_buffer_bytes(ex.concurrency, tc.online_prefetch, per_sample, hidden_size, ex.dtype)
+    passes = min(1.0, epochs) if tc.online_cache_gb * 1e9 >= stored else epochs
+    offline, online = (f"{name}{' (chosen)' if tc.data == name else ''}" for name in ("offline", "online"))
+    return (
+        f"{offline}: {gb(stored)} of hidden states on disk, ~{train_rows.tokens:,} tokens prefilled once; {online}: "
+        f"at most {gb(buffer)} of states at a time ({ex.concurrency} requests in flight + online_prefetch "
+        f"{tc.online_prefetch}), ~{round(train_rows.tokens * passes):,} tokens prefilled ({passes:.2g} epochs) "
+        "beside training"
+    )
+
+
 def evaluation_plan(config: PipelineConfig, facts: DeviceFacts, heldout: int, done: DonePhases) -> PhasePlan:
     ev = config.evaluation
     cap = ev.max_prompts
@@ -231,18 +249,26 @@ def plan_run(config: PipelineConfig, facts: DeviceFacts, prompts: list[Prompt] |
     if memory:
         sampling.costs.append(memory)
     extraction, stored = extraction_plan(config, facts, train_rows, hidden_size, done)
+    if config.training.data == "online":  # no set is stored: its engine runs beside training
+        extraction, stored = PhasePlan("extraction", "skipped (training.data online)", extraction.does), 0
     vocab = PhasePlan(
         "vocab",
         status_of(done.vocab),
         f"counts the trained tokens of {train_rows.samples:,} rows; draft vocabulary {config.vocab.draft_vocab_size:,}",
     )
     trained = (len(kept) - validation) * sc.responses_per_prompt
+    training = training_plan(config, facts, trained, done)
+    epochs = training_steps(trained, config.training, training_processes(config.training, facts))
+    passes = epochs.total / epochs.steps_per_epoch if epochs.steps_per_epoch else 0.0
+    training.costs.append(data_comparison(config, train_rows, hidden_size, passes))
+    if config.training.data == "online":
+        training.engines.extend(extraction_plan(config, facts, train_rows, hidden_size, done)[0].engines)
     phases = [
         target,
         sampling,
         extraction,
         vocab,
-        training_plan(config, facts, trained, done),
+        training,
         evaluation_plan(config, facts, rows.samples - train_rows.samples, done),
     ]
     missing = None if size or config.target.model in EMBEDDED else f"target.model {config.target.model}: no config.json"

@@ -142,3 +142,24 @@ def test_the_rendered_plan_has_a_section_a_phase(demo):
         "## evaluation",
     ]
     assert not demo.run_dir.exists()
+
+
+def test_the_demo_online_plan_stores_no_states_and_prices_the_prefill(demo):
+    offline = plan_run(demo, CPU_ONLY).phase("training").costs[2]
+    assert offline.startswith("offline (chosen): 81.5 MB of hidden states on disk, ~17,644 tokens prefilled once;")
+    demo.training.data, demo.extraction.backend = "online", "vllm"
+    plan = plan_run(demo, CPU_ONLY)
+    assert plan.phase("extraction").status == "skipped (training.data online)" and plan.hidden_state_bytes == 0
+    training = plan.phase("training")
+    # 8 requests in flight + 64 samples ahead, 157.5 tokens a training row, 4 x 576 bf16 states + 9 bytes a token
+    buffer = (8 + 64) * (17_644 / 112) * (4 * 576 * 2 + 9)
+    assert training.costs[2] == (
+        f"offline: 81.5 MB of hidden states on disk, ~17,644 tokens prefilled once; online (chosen): at most "
+        f"{buffer / 1e6:.1f} MB of states at a time (8 requests in flight + online_prefetch 64), ~5,377 tokens "
+        "prefilled (0.3 epochs) beside training"
+    )
+    assert training.engines[1].startswith("vllm-cpu extract_hidden_states: 1 engine")
+    demo.training.max_steps, demo.training.epochs = None, 3.0  # every epoch prefills again, unless cached
+    assert "~52,932 tokens prefilled (3 epochs)" in plan_run(demo, CPU_ONLY).phase("training").costs[2]
+    demo.training.online_cache_gb = 1.0
+    assert "~17,644 tokens prefilled (1 epochs)" in plan_run(demo, CPU_ONLY).phase("training").costs[2]
