@@ -924,6 +924,18 @@ class PipelineConfig(Section):
             raise ValueError(f"{flags}: SGLang does not read it; set it false or leave sglang out of export.engines")
         return self
 
+    @model_validator(mode="after")
+    def _online_trains_in_one_process(self) -> PipelineConfig:
+        """Online training runs one training process beside the engine on one host (`eagle3_core.online`)."""
+        if self.training.data == "online" and self.orchestration.hosts > 1:
+            raise ValueError("training.data online runs on one host: orchestration.hosts 1 or training.data offline")
+        if self.training.data == "online" and self.training.processes not in ("auto", 1):
+            raise ValueError(
+                f"training.processes {self.training.processes}: online training runs one training process beside "
+                "the engine; set it to auto or 1, or training.data offline"
+            )
+        return self
+
 
 def user_path(loc: tuple[int | str, ...]) -> str:
     """The dotted path a user writes for an error's location: pydantic's names of union members

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from eagle3_core.artifacts import DraftCheckpoint, SampleSet, TargetModel, VocabMap
-from eagle3_core.config import ConfigError, PipelineConfig
+from eagle3_core.config import PipelineConfig
 from eagle3_core.devices import DeviceFacts, host_facts
 from eagle3_core.evaluation.speculative import torch_threads
 from eagle3_core.events import DECISION, RunEvents
@@ -54,11 +54,6 @@ def placement_of(config: PipelineConfig, facts: DeviceFacts) -> Placement:
 def placed_config(config: PipelineConfig, placement: Placement) -> PipelineConfig:
     """`config` as `placement` runs it: one training process (on the first training GPU where the GPUs are
     split), the engine on its GPUs (CUDA_VISIBLE_DEVICES) or with its share of the shared GPUs' memory."""
-    if config.training.processes not in ("auto", 1):
-        raise ConfigError(
-            f"training.processes={config.training.processes} with training.data=online: online training runs one "
-            "training process beside the engine; set training.processes to auto or 1"
-        )
     training = {"processes": 1}
     server: dict[str, Any] = {}
     if placement.mode == "split":

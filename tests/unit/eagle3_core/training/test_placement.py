@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_core.config import ConfigError, PipelineConfig
+from eagle3_core.config import ConfigError, PipelineConfig, load_config
 from eagle3_core.online.phase import placed_config, placement_of
 from eagle3_core.training.placement import SHARED_ENGINE_MEMORY, place_online
 from tests.helpers.devices import CPU_ONLY, H100_X8, L4_X1, gpu_host
@@ -60,6 +60,15 @@ def test_the_config_runs_as_placed(tmp_path) -> None:
     assert split.server.data_parallel_size == 1  # auto would count the GPUs the engine does not see
     shared = placed_config(config, placement_of(config, L4_X1))
     assert shared.server.gpu_memory_utilization == SHARED_ENGINE_MEMORY and shared.training.processes == 1
-    config.training.processes = 4
-    with pytest.raises(ConfigError, match=r"training\.processes=4 with training\.data=online"):
-        placed_config(config, placement_of(config, H100_X8))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["training.processes=4"], "training.processes 4: online training runs one training process"),
+        (["orchestration.hosts=2"], "training.data online runs on one host"),
+    ],
+)
+def test_online_training_refuses_several_processes_or_hosts(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["training.data=online", *overrides])
