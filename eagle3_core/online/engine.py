@@ -1,7 +1,9 @@
 """The extraction engine as online training's `StatesSource`: the same backend offline extraction opens
-(vLLM's `extract_hidden_states` server and connector, a shared sampling server, or transformers), started on
-the first request (none when the draft is cached), restarted once when it dies while training waits, and
-failing the phase with the engine's log tail when it dies a second time."""
+(vLLM's `extract_hidden_states` server and connector, a shared sampling server, or transformers), started by
+`start()` in the phase's own thread (a server started there dies with the process: its parent-death signal is
+armed only from the main thread), restarted once when it dies while training waits, and failing the phase
+with the engine's log tail when it dies a second time. A restart happens in the thread that saw the death:
+that server has no parent-death signal, and the next run or the flow's hooks stop it by its pid file."""
 
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ class EngineSource:
         self._stack: ExitStack | None = None
         self._backend: ExtractionBackend | None = None
         self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the engine now, in this thread, unless one runs."""
+        self._running()
 
     def _running(self) -> tuple[ExtractionBackend, int]:
         """The running engine (started here when none runs) and the deaths counted when it was asked for."""

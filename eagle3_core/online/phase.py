@@ -3,8 +3,8 @@ computes while training runs, asked for a bounded number of samples ahead of the
 (`hidden_states.online`); no HiddenStateSet is stored and the extraction phase does not run.
 
 The engine is the one offline extraction opens (`extraction.phase.open_backend`: its own vLLM server, the
-shared sampling server, or transformers), started on training's first request: a draft already trained with
-these inputs starts none. Placement (`training.placement`) decides which GPUs (or cores) each side takes. The
+shared sampling server, or transformers), started before training unless a draft is already trained with
+these inputs. Placement (`training.placement`) decides which GPUs (or cores) each side takes. The
 checkpoint holds the data position (the step), so a resumed run asks the engine for the states from there on.
 Training runs in one process here (the engine, not the draft, is the large part)."""
 
@@ -28,9 +28,10 @@ from eagle3_core.hidden_states.online import OnlineStates
 from eagle3_core.online.engine import EngineSource
 from eagle3_core.phases import TRAINING
 from eagle3_core.progress import ProgressCallback, ignore_progress
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.table import training_rows
 from eagle3_core.server_defaults import resolved_server_config
-from eagle3_core.training.phase import train_draft
+from eagle3_core.training.phase import cached_checkpoint, phase_config, train_draft, upstream_of
 from eagle3_core.training.placement import Placement, place_online
 
 GB = 10**9
@@ -122,4 +123,7 @@ def train_online(
             tc.online_prefetch,
             int(tc.online_cache_gb * GB),
         )
+        out_dir = RunLayout.of(config).draft.root
+        if cached_checkpoint(out_dir, phase_config(config), upstream_of(states, vocab_map, target)) is None:
+            source.start()  # here, not in a fetching thread: see `online.engine`
         return train_draft(config, states, vocab_map, target, events, progress)

@@ -63,7 +63,7 @@ def test_online_training_trains_the_offline_draft_without_storing_states(tmp_pat
     assert checkpoint.upstream["sample_set"] == sample_set.digest and "hidden_states" not in checkpoint.upstream
     lines = [e["message"] for e in events.read() if e["event"] == DECISION and e["phase"] == "training"]
     assert any("share the cores" in line for line in lines)
-    assert events.count(WEIGHT_LOAD) == 1  # the engine: started once, on training's first request
+    assert events.count(WEIGHT_LOAD) == 1  # the engine, started once before training
 
     again = train_online(config, sample_set, vocab_map, tiny_llama, events, facts=CPU_ONLY)
     assert again.digest == checkpoint.digest and events.count(CACHE_HIT, "training") == 1
