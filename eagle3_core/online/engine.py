@@ -29,6 +29,7 @@ class EngineSource:
         self.events = events
         self.restarts = restarts
         self.deaths = 0
+        self.closed = False  # a request still in flight when training ends restarts nothing
         self._stack: ExitStack | None = None
         self._backend: ExtractionBackend | None = None
         self._lock = threading.Lock()
@@ -40,6 +41,8 @@ class EngineSource:
     def _running(self) -> tuple[ExtractionBackend, int]:
         """The running engine (started here when none runs) and the deaths counted when it was asked for."""
         with self._lock:
+            if self.closed:
+                raise EngineDied("the extraction engine was stopped: training ended")
             if self.deaths > self.restarts:
                 raise EngineDied("the extraction engine died after its restart; training stopped")
             if self._backend is None:
@@ -60,7 +63,7 @@ class EngineSource:
         """Count the death `exc` once (a request that saw the same engine die returns to retry), stop what is
         left of the engine, and fail when it was the restarted one."""
         with self._lock:
-            if deaths != self.deaths:
+            if deaths != self.deaths or self.closed:
                 return
             self.deaths += 1
             self._stop()
@@ -80,6 +83,7 @@ class EngineSource:
     def close(self) -> None:
         """Stop the engine, if one runs."""
         with self._lock:
+            self.closed = True
             self._stop()
 
     def __enter__(self) -> EngineSource:
