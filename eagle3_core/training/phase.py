@@ -50,10 +50,13 @@ def upstream_of(states: TrainingStates, vocab_map: VocabMap, target: TargetModel
     """The inputs' digests a checkpoint records (and is reused for): a stored set's, or online the SampleSet's
     and the key of the states the engine gives (extraction's content fields)."""
     if isinstance(states, OnlineStates):
-        inputs = {"sample_set": states.sample_set, "online_states": states.key}
-    else:
-        inputs = {"hidden_states": states.digest}
-    return {**inputs, "vocab_map": vocab_map.digest, "target": target.digest}
+        return online_upstream(states.sample_set, states.key, vocab_map, target)
+    return {"hidden_states": states.digest, "vocab_map": vocab_map.digest, "target": target.digest}
+
+
+def online_upstream(sample_set: str, key: str, vocab_map: VocabMap, target: TargetModel) -> dict[str, str]:
+    """`upstream_of` online states: the SampleSet's digest and `key`, the digest of extraction's content fields."""
+    return {"sample_set": sample_set, "online_states": key, "vocab_map": vocab_map.digest, "target": target.digest}
 
 
 def described(states: TrainingStates) -> StatesDescription:
