@@ -1,7 +1,8 @@
-"""Phase 5, train the draft: wire hidden states, vocab map and target into the loop, then export the
-vLLM/SGLang-loadable folder to `<run_dir>/draft/export/` with the resumable state beside it
-(`<run_dir>/draft/state/`) and the training curves (`<run_dir>/draft/tensorboard/`, `curves.jsonl`,
-`training_curves.png`: `curves`). Under torchrun every rank calls this; rank 0 writes."""
+"""Phase 5, train the draft: wire hidden states (a stored set, or online a live engine's: `hidden_states.online`),
+vocab map and target into the loop, then export the vLLM/SGLang-loadable folder to `<run_dir>/draft/export/`
+with the resumable state beside it (`<run_dir>/draft/state/`) and the training curves
+(`<run_dir>/draft/tensorboard/`, `curves.jsonl`, `training_curves.png`: `curves`). Under torchrun every rank
+calls this; rank 0 writes."""
 
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ def online_upstream(sample_set: str, key: str, vocab_map: VocabMap, target: Targ
 
 
 def described(states: TrainingStates) -> StatesDescription:
+    """What the states are (layer ids, dtype, hidden size, last-state-normed), stored or online."""
     return states.description if isinstance(states, OnlineStates) else StatesDescription.of_set(states)
 
 
@@ -204,7 +206,8 @@ def train_ranks(
             PHASE,
             DECISION,
             f"training on {len(train_ids)} samples ({len(train_data)} packed sequences), validating on "
-            f"{len(val_ids)}; {train_data.truncated} samples truncated to {tc.max_length} tokens",
+            f"{len(val_ids)}; {train_data.truncated} samples truncated to {tc.max_length} tokens"
+            + (f"; states asked of the engine {tc.online_prefetch} samples ahead" if tc.data == "online" else ""),
             world=group.world,
             device=str(group.device),
         )
