@@ -70,7 +70,7 @@ def timed_extraction(config, sample_set, target, events) -> tuple[object, float]
 
 
 def mean_cosines(a, b) -> list[float]:
-    from eagle3_core.extraction.reader import HiddenStateDataset
+    from eagle3_core.hidden_states.reader import HiddenStateDataset
 
     sums, count = torch.zeros(4, dtype=torch.float64), 0
     for x, y in zip(HiddenStateDataset(a, 1 << 16), HiddenStateDataset(b, 1 << 16), strict=True):
@@ -190,7 +190,7 @@ def prefill_and_store(
 ) -> tuple[float, float]:
     """tokens/s with host copies, validation and fsync'd shard writes on background threads."""
     from eagle3_core.extraction.hf_backend import HfBackend
-    from eagle3_core.extraction.storage import BackgroundShardWriter, check_sample, shard_name
+    from eagle3_core.hidden_states.storage import BackgroundShardWriter, check_sample, shard_name
 
     backend = HfBackend(decoder, layer_ids, batch, dtype)
     hidden = decoder.config.hidden_size
@@ -216,7 +216,7 @@ def prefill_and_store(
 def writer_only(per_shard: int, seq: int, hidden: int, shards: int, dtype: str, out: Path, workers: int) -> float:
     """tokens/s of the background writers alone (host states already there, no GPU work): the ceiling
     the store modes can reach on this host's CPU and disk."""
-    from eagle3_core.extraction.storage import (
+    from eagle3_core.hidden_states.storage import (
         BackgroundShardWriter,
         SampleStates,
         check_sample,

@@ -32,7 +32,7 @@ def prepare(run_dir: Path, out: Path, max_length: int, train_items: int, val_ite
     from eagle3_core.config import TargetConfig
     from eagle3_core.draft.model import DraftConfig, Eagle3Draft
     from eagle3_core.events import RunEvents
-    from eagle3_core.extraction.reader import HiddenStateDataset
+    from eagle3_core.hidden_states.reader import HiddenStateDataset
     from eagle3_core.target.prepare import prepare_target
     from eagle3_core.training.loop import split_validation
     from eagle3_core.training.loss import TargetHead

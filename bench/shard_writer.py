@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagle3_core.extraction.storage import SampleStates, write_shard
 from eagle3_core.files import atomic_path, sha256_file
+from eagle3_core.hidden_states.storage import SampleStates, write_shard
 
 
 def samples_of(count: int, tokens: int, hidden: int) -> list[SampleStates]:

@@ -27,8 +27,8 @@ from bench.train_speed import SPECULATORS, SPECULATORS_MUON, build, draft_config
 from eagle3_core.artifacts import FileRecord, HiddenStateSet
 from eagle3_core.config import TrainingConfig
 from eagle3_core.events import RunEvents
-from eagle3_core.extraction.reader import INDEX_FILE, HiddenStateDataset
-from eagle3_core.extraction.storage import SampleStates, write_shard
+from eagle3_core.hidden_states.reader import INDEX_FILE, HiddenStateDataset
+from eagle3_core.hidden_states.storage import SampleStates, write_shard
 from eagle3_core.progress import ProgressUpdate
 from eagle3_core.training.distributed import Group
 from eagle3_core.training.loop import run_training

@@ -98,8 +98,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     that does not fit the target, a dead or unreachable engine, a failed preflight, a full disk, a bad
     prompt file, shard or manifest, a vocab map of other data, a corrupt config.json or training state, a Hub id
     that cannot be resolved, a Hub push without token or repo. Everything else is a bug: a traceback."""
-    from eagle3_core.extraction.storage import ShardError
     from eagle3_core.files import DiskFullError, UnreadableFile
+    from eagle3_core.hidden_states.storage import ShardError
     from eagle3_core.preflight import PreflightError
     from eagle3_core.release.hub import HubError
     from eagle3_core.run_lock import RunDirBusy

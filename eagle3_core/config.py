@@ -711,6 +711,26 @@ class TrainingConfig(Section):
         "`training.batch_size` per process, they make the global batch), not by this value.",
         json_schema_extra=added(training=INPUT),
     )
+    data: Literal["offline", "online"] = Field(
+        "offline",
+        description="Where training's hidden states come from: offline = the set extraction stored on disk; online "
+        "= the target's extraction engine runs beside training and answers for each batch's samples ahead of the "
+        "step (no hidden-state set on disk; each epoch prefills again unless online_cache_gb keeps them).",
+        json_schema_extra=added_content("training"),
+    )
+    online_prefetch: PositiveInt = Field(
+        64,
+        description="Online: samples whose states are asked for ahead of the step that trains on them (the "
+        "bound on states waiting in memory, and on the engine's files on disk).",
+        json_schema_extra=operational("training"),
+    )
+    online_cache_gb: float = Field(
+        0.0,
+        ge=0,
+        description="Online: host memory (GB) that keeps states for the next epochs; 0 = ask the engine again "
+        "every epoch.",
+        json_schema_extra=operational("training"),
+    )
 
     @model_validator(mode="after")
     def _mla_draft_has_no_input_norm(self) -> TrainingConfig:
@@ -990,6 +1010,18 @@ class PipelineConfig(Section):
         if "sglang" in self.export.engines and asked:
             flags = ", ".join(f"training.{flag}" for flag in asked)
             raise ValueError(f"{flags}: SGLang does not read it; set it false or leave sglang out of export.engines")
+        return self
+
+    @model_validator(mode="after")
+    def _online_trains_in_one_process(self) -> PipelineConfig:
+        """Online training runs one training process beside the engine on one host (`eagle3_core.online`)."""
+        if self.training.data == "online" and self.orchestration.hosts > 1:
+            raise ValueError("training.data online runs on one host: orchestration.hosts 1 or training.data offline")
+        if self.training.data == "online" and self.training.processes not in ("auto", 1):
+            raise ValueError(
+                f"training.processes {self.training.processes}: online training runs one training process beside "
+                "the engine; set it to auto or 1, or training.data offline"
+            )
         return self
 
 

@@ -143,6 +143,9 @@ def resolve_run(
     if shape is None and needs_shape(config, facts):
         shape, problem = shape_of(config)
     choices: dict[str, Any] = dict(server_choices(config.server, facts, shape.size if shape else None))
+    if config.training.data == "online" and config.server.data_parallel_size == AUTO:
+        # Online, the GPUs beyond one engine's train (`training.placement`); offline they would be more engines.
+        choices["data_parallel_size"] = Choice(1, "one engine online: the GPUs beyond it train")
     choices.update(dtype_choices(config, facts))
     choices["training.processes"], processes_problem = processes_choice(config, facts)
     resolved = config.model_copy(deep=True)

@@ -10,6 +10,9 @@ pool, one per host (`tasks.hosts`, `flows/host_phase.py`), and their tasks merge
 With `extraction.reuse_sampling_server` resolved to reuse (one host), sampling and extraction get one shared vLLM
 server (a task parameter outside every cache key); it is stopped right after extraction, or in the
 `finally` of that block when either phase fails.
+
+With `training.data: online` the extraction phase does not run: training asks the extraction engine for the
+states of its batches while it trains (the shared server stays up through training where reuse decides so).
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.tasks import Task
 
-from eagle3_core.artifacts import DraftCheckpoint, EvalReport, Manifest
-from eagle3_core.config import PipelineConfig
+from eagle3_core.artifacts import DraftCheckpoint, EvalReport, Manifest, TargetModel
+from eagle3_core.config import ConfigError, PipelineConfig
 from eagle3_core.devices import host_facts
 from eagle3_core.dtypes import record_dtype_decision
 from eagle3_core.engine_versions import require_supported_vllm
 from eagle3_core.events import RunEvents
-from eagle3_core.extraction.layout import resolve_layer_ids
+from eagle3_core.hidden_states.layers import resolve_layer_ids
 from eagle3_core.hosts import host_slice
 from eagle3_core.planning.plan import plan_run, render_plan
 from eagle3_core.run_lock import run_dir_lock
@@ -40,7 +43,7 @@ from tasks.policy import configured
 from tasks.sampling import sample_on_hosts_task, sample_prompts_task
 from tasks.shared_server import sampling_and_extraction_server
 from tasks.target import prepare_target_task
-from tasks.training import train_draft_task, train_on_hosts_task
+from tasks.training import train_draft_task, train_on_hosts_task, train_online_task
 from tasks.vocab import build_vocab_map_task
 
 
@@ -62,6 +65,8 @@ class PhaseRunner:
 def run_all_phases(config: PipelineConfig, runner: Callable[..., Any]) -> tuple[DraftCheckpoint, EvalReport]:
     target = runner(prepare_target_task, "prepare_target")
     resolve_layer_ids(config, target)  # extraction's layers fit the target: known before sampling's weight load
+    if config.training.data == "online":
+        return run_online(config, runner, target)
     if config.orchestration.hosts > 1:
         samples = runner(sample_on_hosts_task, "sampling", target)
         hidden_states = runner(extract_on_hosts_task, "extraction", samples, target)
@@ -72,6 +77,23 @@ def run_all_phases(config: PipelineConfig, runner: Callable[..., Any]) -> tuple[
     vocab_map = runner(build_vocab_map_task, "vocab", samples, target)
     training = train_on_hosts_task if config.orchestration.hosts > 1 else train_draft_task
     checkpoint = runner(training, "training", hidden_states, vocab_map, target)
+    report = runner(evaluate_draft_task, "evaluation", checkpoint, target, samples)
+    return checkpoint, report
+
+
+def run_online(
+    config: PipelineConfig, runner: Callable[..., Any], target: TargetModel
+) -> tuple[DraftCheckpoint, EvalReport]:
+    """`training.data: online`: no extraction phase; training asks the extraction engine (the shared sampling
+    server where reuse decides so, kept running until training ends) for its states."""
+    if config.orchestration.hosts > 1:
+        raise ConfigError(
+            "training.data=online runs on one host: set orchestration.hosts to 1 or training.data offline"
+        )
+    with sampling_and_extraction_server(config, target) as shared:
+        samples = runner(sample_prompts_task, "sampling", target, shared=shared)
+        vocab_map = runner(build_vocab_map_task, "vocab", samples, target)
+        checkpoint = runner(train_online_task, "training", samples, vocab_map, target, shared=shared)
     report = runner(evaluate_draft_task, "evaluation", checkpoint, target, samples)
     return checkpoint, report
 

@@ -45,8 +45,8 @@ from eagle3_core.artifacts import HiddenStateSet, SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.extraction import phase
-from eagle3_core.extraction.reader import HiddenStateDataset
 from eagle3_core.extraction.vllm_backend import VllmBackend, extraction_args
+from eagle3_core.hidden_states.reader import HiddenStateDataset
 from eagle3_core.progress import ProgressUpdate
 from eagle3_core.sampling.table import iter_rows
 from eagle3_core.serving.engine import VllmServer

@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request
 
-from eagle3_core.extraction.storage import quantize_fp8
+from eagle3_core.hidden_states.storage import quantize_fp8
 
 CONNECTOR_NAME = "HiddenStatesConnector"
 EXTRACT_KEY = "eagle3_extract"

@@ -12,12 +12,13 @@ Imports only torch and transformers (the GPU benchmark runs it where pydantic is
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
-from eagle3_core.extraction.storage import LAST_STATE_NORMED, SampleRow, SampleStates, quantize_fp8
+from eagle3_core.hidden_states.storage import LAST_STATE_NORMED, SampleRow, SampleStates, quantize_fp8
 
 
 def resolve_device(device: str) -> torch.device:
@@ -92,7 +93,8 @@ def load_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device) -> t
 class HfBackend:
     """Batched prefill of SampleSet rows on a loaded decoder. Samples are sorted by length inside a shard
     so batches carry little padding; results come back in the rows' order, as host tensors, with a CUDA
-    event (or None) to wait on before reading them."""
+    event (or None) to wait on before reading them. Calls from several threads (online training's fetches)
+    run one after the other: the last state's hook is the decoder's own."""
 
     last_state_normed = LAST_STATE_NORMED
 
@@ -110,6 +112,7 @@ class HfBackend:
         self.storage_dtype = storage_dtype
         self.pad_id = pad_id
         self.device = next(decoder.parameters()).device
+        self._forward = threading.Lock()
 
     def host_states(self, aux: torch.Tensor, last: torch.Tensor) -> dict[str, torch.Tensor]:
         """Check for NaN/Inf and (for fp8 storage) quantise on the compute device, where it costs
@@ -122,6 +125,10 @@ class HfBackend:
         return {name: to_host(tensor) for name, tensor in states.items()}
 
     def extract(self, rows: list[SampleRow]) -> tuple[list[SampleStates], object | None]:
+        with self._forward:
+            return self._extract(rows)
+
+    def _extract(self, rows: list[SampleRow]) -> tuple[list[SampleStates], object | None]:
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))
         states: dict[int, SampleStates] = {}
         for start in range(0, len(order), self.batch_size):

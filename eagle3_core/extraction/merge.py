@@ -11,7 +11,7 @@ from eagle3_core.artifacts import ArtifactInvalid, HiddenStateSet, SampleSet, Ta
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.extraction.phase import PHASE, cached_manifest, indexed_set, phase_config, training_rows, upstream_of
-from eagle3_core.extraction.reader import INDEX_FILE
+from eagle3_core.hidden_states.reader import INDEX_FILE
 from eagle3_core.hosts import check_each_once, every_slice
 from eagle3_core.run_layout import RunLayout
 

@@ -29,10 +29,11 @@ from eagle3_core.artifacts import ArtifactInvalid, FileRecord, HiddenStateSet, S
 from eagle3_core.config import ExtractionConfig, PipelineConfig
 from eagle3_core.dtypes import resolve_dtype
 from eagle3_core.events import CACHE_HIT, DECISION, RESUME, RunEvents
-from eagle3_core.extraction.layout import resolve_layer_ids
 from eagle3_core.extraction.preflight import preflight_extraction
-from eagle3_core.extraction.reader import INDEX_FILE
-from eagle3_core.extraction.storage import (
+from eagle3_core.files import remove_dead_temps, sha256_json, write_text_atomic
+from eagle3_core.hidden_states.layers import resolve_layer_ids
+from eagle3_core.hidden_states.reader import INDEX_FILE
+from eagle3_core.hidden_states.storage import (
     LAST_STATE_NORMED,
     BackgroundShardWriter,
     ExtractionBackend,
@@ -42,13 +43,12 @@ from eagle3_core.extraction.storage import (
     check_sample,
     shard_name,
 )
-from eagle3_core.files import remove_dead_temps, sha256_json, write_text_atomic
 from eagle3_core.hosts import host_slice, in_slice
 from eagle3_core.kept import key_id, switch_key
 from eagle3_core.phases import EXTRACTION, phase_key
 from eagle3_core.progress import ProgressCallback, ProgressUpdate, RateMeter, ignore_progress
 from eagle3_core.run_layout import RunLayout
-from eagle3_core.sampling.table import iter_rows, row_heldout
+from eagle3_core.sampling.table import training_rows
 from eagle3_core.serving.shared import starts_engine
 
 PHASE = EXTRACTION.name
@@ -141,13 +141,6 @@ def write_folder_key(out_dir: Path, key: dict[str, Any], samples_per_shard: int)
 
 def upstream_of(sample_set: SampleSet, target: TargetModel) -> dict[str, str]:
     return {"sample_set": sample_set.digest, "target": target.digest}
-
-
-def training_rows(sample_set: SampleSet, holdout_fraction: float) -> list[SampleRow]:
-    """Ok rows that are not held out for evaluation, in the SampleSet's order."""
-    return [
-        row for row in iter_rows(sample_set, status="ok") if row["input_ids"] and not row_heldout(row, holdout_fraction)
-    ]
 
 
 def plan_shards(rows: list[SampleRow], samples_per_shard: int) -> list[list[SampleRow]]:

@@ -33,8 +33,8 @@ from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.extraction.connector import CONNECTOR_NAME, SCALES, STATES, extract_request
-from eagle3_core.extraction.layout import resolve_layer_ids
-from eagle3_core.extraction.storage import SampleRow, SampleStates, ShardError
+from eagle3_core.hidden_states.layers import resolve_layer_ids
+from eagle3_core.hidden_states.storage import SampleRow, SampleStates, ShardError
 from eagle3_core.hosts import host_slice
 from eagle3_core.phases import EXTRACTION
 from eagle3_core.progress import ProgressCallback

@@ -13,6 +13,7 @@ from eagle3_core.dtypes import resolved_config
 from eagle3_core.evaluation.phase import cached_report, collect_prompts, measurement_keys, verdict_fields
 from eagle3_core.events import RunEvents
 from eagle3_core.extraction import phase as extraction
+from eagle3_core.online.phase import online_key
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.prompts import Prompt
 from eagle3_core.sampling.store import SampleStore, key_matches
@@ -77,13 +78,15 @@ def find_done(config: PipelineConfig, prompts: list[Prompt], target: TargetModel
     vocab_upstream = {"sample_set": done.samples.digest, "target": target.digest}
     if stored_vocab and stored_vocab.config == vocab_config(config, target) and stored_vocab.upstream == vocab_upstream:
         done.vocab = stored_vocab
-    if done.hidden_states is None or done.vocab is None:
+    online = config.training.data == "online"
+    if done.vocab is None or (done.hidden_states is None and not online):
         return done
-    done.draft = training.cached_checkpoint(
-        layout.draft.root,
-        training.phase_config(config),
-        training.upstream_of(done.hidden_states, done.vocab, target),
+    upstream = (
+        training.online_upstream(done.samples.digest, online_key(config, target), done.vocab, target)
+        if online
+        else training.upstream_of(done.hidden_states, done.vocab, target)
     )
+    done.draft = training.cached_checkpoint(layout.draft.root, training.phase_config(config), upstream)
     if done.draft is None:
         return done
     resolved = resolved_config(config)

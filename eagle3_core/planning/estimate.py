@@ -1,5 +1,5 @@
-"""The numbers of a plan, each a pure function: tokens a run will sample, the disk its hidden states take,
-the GPU memory of each engine rank, and the training steps.
+"""The numbers of a plan, each a pure function: tokens a run will sample, the disk its hidden states take
+(stored, or online's buffer), the GPU memory of each engine rank, and the training steps.
 
 Before sampling, a sample's tokens are expected, not known: its prompt rendered with the target's chat template
 and counted by its tokenizer where the target's folder is at hand (else at `CHARS_PER_TOKEN` characters a
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from eagle3_core.config import ServerConfig, TrainingConfig
 from eagle3_core.devices import DeviceFacts
-from eagle3_core.extraction.reader import pack
-from eagle3_core.extraction.storage import bytes_per_token
+from eagle3_core.hidden_states.reader import pack
+from eagle3_core.hidden_states.storage import bytes_per_token
 from eagle3_core.model_size import ModelSize
 from eagle3_core.sampling.chat_tokens import ChatTokenizer
 from eagle3_core.sampling.conversations import Turns, turn_positions
@@ -98,6 +98,12 @@ def hidden_state_bytes(tokens: int, hidden_size: int, dtype: str) -> int:
     return int(tokens * bytes_per_token(hidden_size, dtype))
 
 
+def online_buffer_bytes(in_flight: int, prefetch: int, tokens_per_sample: float, hidden_size: int, dtype: str) -> int:
+    """Online training's hidden states at any one time: the engine's files of the `in_flight` requests (on
+    disk until read) and the `prefetch` samples waiting in memory, at the storage dtype."""
+    return int((in_flight + prefetch) * tokens_per_sample * bytes_per_token(hidden_size, dtype))
+
+
 @dataclass(frozen=True)
 class RankMemory:
     """One engine rank's GPU memory: vLLM's pool (`usable`), the weights' share of it, the KV cache the rest."""
@@ -142,7 +148,7 @@ class TrainingSteps:
 
 def training_steps(lengths: list[int], training: TrainingConfig, processes: int) -> TrainingSteps:
     """Steps of training on samples of `lengths` tokens (those left after `training.holdout_fraction` is kept
-    for validation), counted by training's own rules: its packing (`extraction.reader.pack`), its steps an
+    for validation), counted by training's own rules: its packing (`hidden_states.reader.pack`), its steps an
     epoch and a run (`training.batches.epoch_steps`, `run_steps`)."""
     sequences = len(pack(lengths, training.max_length))
     per_epoch = epoch_steps(sequences, training.batch_size, processes) if sequences else 0

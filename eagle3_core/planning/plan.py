@@ -13,7 +13,7 @@ from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.devices import GIB, DeviceFacts
 from eagle3_core.evaluation.phase import served_unavailable
-from eagle3_core.extraction.layout import resolve_layer_ids
+from eagle3_core.hidden_states.layers import resolve_layer_ids
 from eagle3_core.model_size import ModelSize
 from eagle3_core.planning.cached import DonePhases, find_done, known_target
 from eagle3_core.planning.estimate import (
@@ -21,6 +21,7 @@ from eagle3_core.planning.estimate import (
     TrainingSteps,
     expected_tokens,
     hidden_state_bytes,
+    online_buffer_bytes,
     rank_memory,
     share,
     training_steps,
@@ -190,6 +191,23 @@ def training_plan(
     return plan, steps
 
 
+def data_comparison(config: PipelineConfig, train_rows: TokenEstimate, hidden_size: int, epochs: float) -> str:
+    """Offline's disk and prefill against online's for this config (`training.data` marked chosen): online
+    stores no set but prefills the samples of every epoch again, unless `training.online_cache_gb` keeps them."""
+    ex, tc = config.extraction, config.training
+    stored = hidden_state_bytes(train_rows.tokens, hidden_size, ex.dtype)
+    per_sample = train_rows.tokens_per_sample
+    buffer = online_buffer_bytes(ex.concurrency, tc.online_prefetch, per_sample, hidden_size, ex.dtype)
+    passes = min(1.0, epochs) if tc.online_cache_gb * 1e9 >= stored else epochs
+    offline, online = (f"{name}{' (chosen)' if tc.data == name else ''}" for name in ("offline", "online"))
+    return (
+        f"{offline}: {gb(stored)} of hidden states on disk, ~{train_rows.tokens:,} tokens prefilled once; {online}: "
+        f"at most {gb(buffer)} of states at a time ({ex.concurrency} requests in flight + online_prefetch "
+        f"{tc.online_prefetch}), ~{round(train_rows.tokens * passes):,} tokens prefilled ({passes:.2g} epochs) "
+        "beside training"
+    )
+
+
 def evaluation_plan(config: PipelineConfig, run: ResolvedRun, heldout: int, done: DonePhases) -> PhasePlan:
     ev = config.evaluation
     cap = ev.max_prompts
@@ -249,6 +267,8 @@ def plan_run(config: PipelineConfig, facts: DeviceFacts, prompts: list[Prompt] |
     if memory:
         sampling.costs.append(memory)
     extraction, stored = extraction_plan(config, run, train_rows, hidden_size, done)
+    if config.training.data == "online":  # no set is stored: its engine runs beside training
+        extraction, stored = PhasePlan("extraction", "skipped (training.data online)", extraction.does), 0
     vocab = PhasePlan(
         "vocab",
         status_of(done.vocab),
@@ -258,6 +278,10 @@ def plan_run(config: PipelineConfig, facts: DeviceFacts, prompts: list[Prompt] |
     planned = target or (shape.planned_target(config.target.model) if shape else None)
     draft, draft_problem = draft_line(config, planned) if planned else (None, None)
     training, steps = training_plan(config, run, [round(train_rows.tokens_per_sample)] * trained, draft, done)
+    passes = steps.total / steps.steps_per_epoch if steps.steps_per_epoch else 0.0
+    training.costs.append(data_comparison(config, train_rows, hidden_size, passes))
+    if config.training.data == "online":
+        training.engines.extend(extraction_plan(config, run, train_rows, hidden_size, done)[0].engines)
     phases = [
         prepare_plan(run, done, shape),
         sampling,

@@ -126,3 +126,11 @@ def is_heldout(prompt_id: str, fraction: float) -> bool:
 def row_heldout(row: dict[str, Any], fraction: float) -> bool:
     """Whether a row's prompt is held out (`is_heldout`): every response of a held-out prompt is."""
     return is_heldout(row["prompt_id"], fraction)
+
+
+def training_rows(sample_set: SampleSet, holdout_fraction: float) -> list[dict[str, Any]]:
+    """The rows whose states training reads: ok rows with tokens that are not held out for evaluation, in the
+    SampleSet's order (extraction stores them; online training asks the engine for them)."""
+    return [
+        row for row in iter_rows(sample_set, status="ok") if row["input_ids"] and not row_heldout(row, holdout_fraction)
+    ]

@@ -3,7 +3,7 @@
 The data position is the optimizer step: epoch e's order is a permutation seeded by (seed, e), padded so
 every rank runs the same number of steps, and step s reads batch s % steps_per_epoch of epoch
 s // steps_per_epoch, whatever step a run starts at (`step_batches`). Items are packed sequences
-(`extraction.reader.HiddenStateDataset`): a batch pads them to one length, padding being its own document
+(`hidden_states.reader.HiddenStateDataset`): a batch pads them to one length, padding being its own document
 that is never scored (`collate_host`). The GPU never waits on the host: a background thread reads and
 collates the next batches and copies them on a side stream (`BatchPrefetcher`).
 """
@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from eagle3_core.extraction.storage import dequantize_states
+from eagle3_core.hidden_states.storage import dequantize_states
 from eagle3_core.training.distributed import Group
 from eagle3_core.training.flash_ttt import document_starts
 from eagle3_core.training.loss import scored_rows
@@ -60,6 +60,13 @@ def step_batches(
         if order_epoch != epoch:
             order_epoch, batches = epoch, rank_batches(num_items, batch_size, group, seed, epoch)
         yield batches[index]
+
+
+def followed(data: Dataset, plan: Iterator[list[int]]) -> Iterator[list[int]]:
+    """`plan` through the dataset's own `follow` where it has one (`hidden_states.online.OnlineDataset`: the
+    states of the next steps are asked for ahead of them, in this very order); else `plan` itself."""
+    follow = getattr(data, "follow", None)
+    return follow(plan) if follow is not None else plan
 
 
 def collate_host(

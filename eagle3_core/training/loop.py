@@ -31,6 +31,7 @@ from eagle3_core.training.batches import (
     Dataset,
     collate,
     epoch_steps,
+    followed,
     rank_batches,
     run_steps,
     step_batches,
@@ -411,6 +412,7 @@ def run_training(
     curves.start(step, history)
     cadence = Cadence(history, schedule, step, tc.checkpoint_every, progress, report_interval_s, curves)
     plan = step_batches(len(train_data), tc.batch_size, group, tc.seed, schedule.steps_per_epoch, step, schedule.total)
+    plan = followed(train_data, plan)  # online: the engine is asked for these steps' states ahead
     with BatchPrefetcher(
         train_data, plan, device, pad_multiple, objective.ttt_steps, loss_on_prompt=tc.loss_on_prompt
     ) as batches:

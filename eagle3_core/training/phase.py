@@ -1,7 +1,8 @@
-"""Phase 5, train the draft: wire hidden states, vocab map and target into the loop, then export the
-vLLM/SGLang-loadable folder to `<run_dir>/draft/export/` with the resumable state beside it
-(`<run_dir>/draft/state/`) and the training curves (`<run_dir>/draft/tensorboard/`, `curves.jsonl`,
-`training_curves.png`: `curves`). Under torchrun every rank calls this; rank 0 writes."""
+"""Phase 5, train the draft: wire hidden states (a stored set, or online a live engine's: `hidden_states.online`),
+vocab map and target into the loop, then export the vLLM/SGLang-loadable folder to `<run_dir>/draft/export/`
+with the resumable state beside it (`<run_dir>/draft/state/`) and the training curves
+(`<run_dir>/draft/tensorboard/`, `curves.jsonl`, `training_curves.png`: `curves`). Under torchrun every rank
+calls this; rank 0 writes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from eagle3_core.draft.model import DraftConfig, Eagle3Draft
 from eagle3_core.draft.shape import trained_draft_config, turned_off_for_sglang
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
 from eagle3_core.files import folder_identity, remove_dead_temps, sha256_json, write_text_atomic
+from eagle3_core.hidden_states.description import StatesDescription
+from eagle3_core.hidden_states.online import OnlineDataset, OnlineStates
+from eagle3_core.hidden_states.reader import HiddenStateDataset
 from eagle3_core.kept import switch_key
 from eagle3_core.phases import TRAINING, phase_key
 from eagle3_core.progress import ProgressCallback, ignore_progress
@@ -33,6 +37,8 @@ from eagle3_core.training.state import FULL
 from eagle3_core.vocab import load_vocab_tensors
 
 KEY_FILE = "key.json"
+# What training reads: a stored HiddenStateSet (`training.data: offline`), or a live engine's states (online).
+TrainingStates = HiddenStateSet | OnlineStates
 
 
 def phase_config(config: PipelineConfig, world: int = 1) -> dict:
@@ -49,9 +55,37 @@ def rank_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def upstream_of(hidden_states: HiddenStateSet, vocab_map: VocabMap, target: TargetModel) -> dict[str, str]:
-    """The inputs' digests a checkpoint records (and is reused for)."""
-    return {"hidden_states": hidden_states.digest, "vocab_map": vocab_map.digest, "target": target.digest}
+def upstream_of(states: TrainingStates, vocab_map: VocabMap, target: TargetModel) -> dict[str, str]:
+    """The inputs' digests a checkpoint records (and is reused for): a stored set's, or online the SampleSet's
+    and the key of the states the engine gives (extraction's content fields)."""
+    if isinstance(states, OnlineStates):
+        return online_upstream(states.sample_set, states.key, vocab_map, target)
+    return {"hidden_states": states.digest, "vocab_map": vocab_map.digest, "target": target.digest}
+
+
+def online_upstream(sample_set: str, key: str, vocab_map: VocabMap, target: TargetModel) -> dict[str, str]:
+    """`upstream_of` online states: the SampleSet's digest and `key`, the digest of extraction's content fields."""
+    return {"sample_set": sample_set, "online_states": key, "vocab_map": vocab_map.digest, "target": target.digest}
+
+
+def described(states: TrainingStates) -> StatesDescription:
+    """What the states are (layer ids, dtype, hidden size, last-state-normed), stored or online."""
+    return states.description if isinstance(states, OnlineStates) else StatesDescription.of_set(states)
+
+
+def sample_set_of(states: TrainingStates) -> str:
+    """The digest of the SampleSet the states are of (the vocab map must be counted on it)."""
+    return states.sample_set if isinstance(states, OnlineStates) else states.upstream.get("sample_set", "")
+
+
+def dataset_of(
+    states: TrainingStates, max_length: int, sample_ids: list[str] | None = None
+) -> HiddenStateDataset | OnlineDataset:
+    """Packed sequences of the states (`sample_ids`: those only, in that order), as stored (bf16 / fp8): the
+    loop copies them to its device and dequantises them there."""
+    if isinstance(states, OnlineStates):
+        return OnlineDataset(states, max_length, sample_ids)
+    return HiddenStateDataset(states, max_length, sample_ids, dequantize=False)
 
 
 def target_rms_eps(target: TargetModel) -> float:
@@ -149,7 +183,7 @@ def build_draft(config: PipelineConfig, target: TargetModel, draft_config: Draft
 
 def train_draft(
     config: PipelineConfig,
-    hidden_states: HiddenStateSet,
+    hidden_states: TrainingStates,
     vocab_map: VocabMap,
     target: TargetModel,
     events: RunEvents,
@@ -165,7 +199,7 @@ def train_draft(
 
 def train_ranks(
     config: PipelineConfig,
-    hidden_states: HiddenStateSet,
+    hidden_states: TrainingStates,
     vocab_map: VocabMap,
     target: TargetModel,
     events: RunEvents,
@@ -176,30 +210,29 @@ def train_ranks(
 ) -> DraftCheckpoint:
     """This rank's part of training: every rank trains, rank 0 exports and writes the manifest. `cfg` and
     `upstream`: `phase_config` and `upstream_of`, as `train_draft` checked the cache with them."""
-    from eagle3_core.extraction.reader import HiddenStateDataset
-
     tc = config.training
     draft_dir = RunLayout.of(config).draft
     out_dir = draft_dir.root
     recorder = events if group.is_main else None  # every rank checks, one line is logged
-    preflight_training(config, hidden_states, target, vocab_map.draft_vocab_size, out_dir, recorder)
-    d2t, t2d = load_vocab_tensors(vocab_map, hidden_states.upstream.get("sample_set", ""))
-    draft_config = draft_config_of(config, target, vocab_map, hidden_states.layer_ids)
+    description = described(hidden_states)
+    preflight_training(config, description, target, vocab_map.draft_vocab_size, out_dir, recorder)
+    d2t, t2d = load_vocab_tensors(vocab_map, sample_set_of(hidden_states))
+    draft_config = draft_config_of(config, target, vocab_map, list(description.layer_ids))
     if group.is_main and (off := turned_off_for_sglang(tc, config.export.engines)):
         events.record(PHASE, DECISION, sglang_recipe_line(off), turned_off=off, engines=config.export.engines)
     draft = build_draft(config, target, draft_config, d2t, t2d)
-    head = TargetHead.from_target(target.root_path, t2d, d2t, hidden_states.last_state_normed, target_rms_eps(target))
-    everything = HiddenStateDataset(hidden_states, tc.max_length)
+    head = TargetHead.from_target(target.root_path, t2d, d2t, description.last_state_normed, target_rms_eps(target))
+    everything = dataset_of(hidden_states, tc.max_length)
     train_ids, val_ids = split_validation(everything.sample_ids, tc.holdout_fraction, everything.prompt_ids)
-    # States as stored (bf16 / fp8): the loop copies them to its device and dequantises them there.
-    train_data = HiddenStateDataset(hidden_states, tc.max_length, train_ids, dequantize=False)
-    val_data = HiddenStateDataset(hidden_states, tc.max_length, val_ids, dequantize=False) if val_ids else None
+    train_data = dataset_of(hidden_states, tc.max_length, train_ids)
+    val_data = dataset_of(hidden_states, tc.max_length, val_ids) if val_ids else None
     if group.is_main:
         events.record(
             PHASE,
             DECISION,
             f"training on {len(train_ids)} samples ({len(train_data)} packed sequences), validating on "
-            f"{len(val_ids)}; {train_data.truncated} samples truncated to {tc.max_length} tokens",
+            f"{len(val_ids)}; {train_data.truncated} samples truncated to {tc.max_length} tokens"
+            + (f"; states asked of the engine {tc.online_prefetch} samples ahead" if tc.data == "online" else ""),
             world=group.world,
             device=str(group.device),
         )
@@ -225,7 +258,7 @@ def train_ranks(
             config=cfg,
             upstream=upstream,
             step=step,
-            layer_ids=list(hidden_states.layer_ids),
+            layer_ids=list(description.layer_ids),
             metrics=metrics,
         )
         checkpoint.save()

@@ -11,6 +11,7 @@ from eagle3_core.config import PipelineConfig, TrainingConfig
 from eagle3_core.draft.shape import parameter_counts, trained_draft_config
 from eagle3_core.events import RunEvents
 from eagle3_core.files import free_bytes
+from eagle3_core.hidden_states.description import StatesDescription
 from eagle3_core.preflight import conclude, device_gpus, disk_problem, gpu_check
 from eagle3_core.target.preflight import layer_problem, target_files_problems
 
@@ -50,20 +51,21 @@ def checkpoint_bytes(parameters: int, keep: int) -> int:
 
 def preflight_training(
     config: PipelineConfig,
-    hidden_states: HiddenStateSet,
+    hidden_states: HiddenStateSet | StatesDescription,
     target: TargetModel,
     draft_vocab_size: int,
     out_dir: Path,
     events: RunEvents | None,
 ) -> None:
-    """`events` None: a torchrun rank other than the main one (it checks, the main rank records)."""
+    """`hidden_states`: a stored set, or the description of the states online training asks for (its layer ids
+    are checked). `events` None: a torchrun rank other than the main one (it checks, the main rank records)."""
     tc = config.training
     layers = layer_problem(hidden_states.layer_ids, target.num_layers, "hidden_states.layer_ids")
     parameters, frozen, architecture = 0, 0, None
     if not layers:
         try:
             parameters, frozen = draft_parameters(
-                tc, target, draft_vocab_size, hidden_states.layer_ids, config.export.engines
+                tc, target, draft_vocab_size, list(hidden_states.layer_ids), config.export.engines
             )
         except ValueError as error:
             architecture = f"training.draft_architecture: {error} ({target.root_path / 'config.json'})"

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from eagle3_core.artifacts import HiddenStateSet, SampleSet, record_files
-from eagle3_core.extraction.reader import HiddenStateDataset
+from eagle3_core.hidden_states.reader import HiddenStateDataset
 from eagle3_core.sampling.table import sample_id, write_part
 
 PROMPTS = [

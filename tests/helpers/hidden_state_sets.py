@@ -7,8 +7,8 @@ import json
 import torch
 
 from eagle3_core.artifacts import FileRecord, HiddenStateSet
-from eagle3_core.extraction.reader import INDEX_FILE
-from eagle3_core.extraction.storage import SampleStates, write_shard
+from eagle3_core.hidden_states.reader import INDEX_FILE
+from eagle3_core.hidden_states.storage import SampleStates, write_shard
 
 H = 16
 

@@ -74,12 +74,14 @@ def greedy_answer(base_url: str, messages: list[dict], tools: list[dict]) -> tup
 
 def turns_config(run_dir: Path, target_root: str, base_url: str, prompts: Path) -> dict:
     """The replay's config (every compute dtype pinned: its answers are compared token for token)."""
-    return pinned_dtypes({
-        "run_dir": str(run_dir),
-        "target": {"model": target_root},
-        "server": {"engine": "external", "url": base_url, "tool_call_parser": "hermes"},
-        "sampling": {"prompt_files": [str(prompts)], "turns": "all", "max_tokens": MAX_TOKENS, "concurrency": 1},
-    })
+    return pinned_dtypes(
+        {
+            "run_dir": str(run_dir),
+            "target": {"model": target_root},
+            "server": {"engine": "external", "url": base_url, "tool_call_parser": "hermes"},
+            "sampling": {"prompt_files": [str(prompts)], "turns": "all", "max_tokens": MAX_TOKENS, "concurrency": 1},
+        }
+    )
 
 
 def test_three_user_turns_answered_in_order_and_resumed_at_the_turn_after_a_kill(tool_engine, tmp_path):

@@ -24,8 +24,8 @@ from eagle3_core.artifacts import SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import DECISION, ENGINE_START, RESUME, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction.phase import DONE_SUFFIX, training_rows
-from eagle3_core.extraction.storage import shard_name
 from eagle3_core.faults import ENV
+from eagle3_core.hidden_states.storage import shard_name
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.table import read_part
 from tasks.extraction import extract_hidden_states_task

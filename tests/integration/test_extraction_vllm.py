@@ -8,7 +8,7 @@ import pytest
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import ENGINE_START, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction.phase import extract_hidden_states
-from eagle3_core.extraction.reader import HiddenStateDataset
+from eagle3_core.hidden_states.reader import HiddenStateDataset
 from eagle3_core.serving.vllm_plugin import CPU_FORK
 from tests.helpers.extraction_fixtures import build_sample_set, layer_cosines
 from tests.helpers.served_targets import pinned_dtypes

@@ -26,7 +26,7 @@ from eagle3_core.artifacts import HiddenStateSet, SampleSet, TargetModel
 from eagle3_core.config import PipelineConfig, ServerConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.extraction.phase import extract_hidden_states
-from eagle3_core.extraction.reader import HiddenStateDataset
+from eagle3_core.hidden_states.reader import HiddenStateDataset
 from eagle3_core.sampling.phase import sample_prompts
 from eagle3_core.sampling.table import iter_rows
 from tasks.extraction import extract_on_hosts_task

@@ -26,10 +26,10 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, RESUME, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction.merge import merge_slices
 from eagle3_core.extraction.phase import DONE_SUFFIX, training_rows
-from eagle3_core.extraction.reader import INDEX_FILE, HiddenStateDataset
-from eagle3_core.extraction.storage import shard_name
 from eagle3_core.faults import ENV
 from eagle3_core.files import sha256_file
+from eagle3_core.hidden_states.reader import INDEX_FILE, HiddenStateDataset
+from eagle3_core.hidden_states.storage import shard_name
 from eagle3_core.hosts import HostSlice, every_slice
 from eagle3_core.run_layout import RunLayout
 from flows.host_phase import host_phase

@@ -27,9 +27,9 @@ from eagle3_core.artifacts import HiddenStateSet
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, RESUME, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction import vllm_backend
-from eagle3_core.extraction.reader import HiddenStateDataset
-from eagle3_core.extraction.storage import FP8
 from eagle3_core.faults import ENV
+from eagle3_core.hidden_states.reader import HiddenStateDataset
+from eagle3_core.hidden_states.storage import FP8
 from flows.train_drafter import train_drafter
 from tests.helpers.served_targets import pinned_dtypes
 

@@ -21,9 +21,9 @@ from eagle3_core.evaluation import preflight as evaluation_preflight
 from eagle3_core.evaluation.preflight import preflight_evaluation
 from eagle3_core.events import PREFLIGHT, RunEvents
 from eagle3_core.extraction import preflight as extraction_preflight
-from eagle3_core.extraction.layout import resolve_layer_ids
 from eagle3_core.extraction.preflight import preflight_extraction
-from eagle3_core.extraction.storage import bytes_per_token
+from eagle3_core.hidden_states.layers import resolve_layer_ids
+from eagle3_core.hidden_states.storage import bytes_per_token
 from eagle3_core.preflight import PreflightError
 from eagle3_core.resolved_run import resolve_run
 from eagle3_core.sampling import preflight as sampling_preflight
@@ -157,7 +157,7 @@ def published_config(tmp_path: Path, model: str) -> Path:
 @pytest.mark.parametrize("name", sorted(READY))
 def test_plan_and_doctor_of_a_ready_config_as_it_ships_see_its_hub_id_on_its_host(name, tmp_path, monkeypatch):
     from eagle3_core.doctor import HostFacts, doctor_checks, needs_of, plan_checks
-    from eagle3_core.extraction.storage import bytes_per_token
+    from eagle3_core.hidden_states.storage import bytes_per_token
     from eagle3_core.planning.plan import plan_run
 
     hub_id, model, gpus, _ = READY[name]

@@ -34,6 +34,8 @@ def test_the_contracts_hold() -> None:
         ("eagle3_core/draft/export.py", "from eagle3_core.training import unroll", "the draft knows nothing"),
         ("eagle3_core/draft/model.py", "from eagle3_core.draft import export", "the draft model knows nothing"),
         ("eagle3_core/serving/engine.py", "from eagle3_core.sampling import store", "serving (the engines)"),
+        ("eagle3_core/training/batches.py", "from eagle3_core.extraction import phase", "training reads hidden states"),
+        ("eagle3_core/hidden_states/reader.py", "from eagle3_core.training import loop", "the hidden states are data"),
         ("eagle3_core/preflight.py", "from eagle3_core.draft import shape", "the shared preflight knows no phase"),
         ("eagle3_core/sampling/table.py", "from eagle3_core.sampling import phase", "no import loops"),
         ("tasks/gpu_slot/records.py", "from prefect.settings import get_current_settings", "holder records are pure"),
@@ -63,7 +65,7 @@ def test_the_torch_only_modules_import_without_pydantic() -> None:
     """The GPU benchmark host has torch but no pydantic: the phase packages' `__init__` import nothing, so
     the draft model, the attention, the loss and the shard storage import there."""
     modules = ["eagle3_core.draft.model", "eagle3_core.training.attention", "eagle3_core.training.loss"]
-    modules += ["eagle3_core.extraction.storage", "eagle3_core.extraction.hf_backend"]
+    modules += ["eagle3_core.hidden_states.storage", "eagle3_core.extraction.hf_backend"]
     code = "import sys; sys.modules['pydantic'] = None; " + "; ".join(f"import {m}" for m in modules)
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -20,10 +20,10 @@ from eagle3_core.evaluation.preflight import amx_mla_kernel, preflight_evaluatio
 from eagle3_core.evaluation.vllm_measure import speculative_args
 from eagle3_core.events import PREFLIGHT, RunEvents
 from eagle3_core.extraction import preflight as extraction_preflight
-from eagle3_core.extraction.layout import resolve_layer_ids
 from eagle3_core.extraction.preflight import preflight_extraction
-from eagle3_core.extraction.storage import SampleStates, bytes_per_token, write_shard
 from eagle3_core.extraction.vllm_backend import extraction_args
+from eagle3_core.hidden_states.layers import resolve_layer_ids
+from eagle3_core.hidden_states.storage import SampleStates, bytes_per_token, write_shard
 from eagle3_core.preflight import PreflightError
 from eagle3_core.target.prepare import describe_folder
 from eagle3_core.training import preflight as training_preflight

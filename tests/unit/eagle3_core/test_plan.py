@@ -165,7 +165,7 @@ def test_the_plans_steps_are_what_training_counts_for_the_same_samples(demo, tmp
     """Training's own dataset and schedule, over hidden states of the plan's samples, take the plan's steps."""
     import torch
 
-    from eagle3_core.extraction.reader import HiddenStateDataset
+    from eagle3_core.hidden_states.reader import HiddenStateDataset
     from eagle3_core.training.distributed import Group
     from eagle3_core.training.loop import Schedule
     from tests.helpers.hidden_state_sets import make_set
@@ -193,3 +193,24 @@ def test_sampling_all_turns_expects_an_answer_per_assistant_turn():
     every = expected_tokens([Prompt("p", chat)], 1, 64, turns="all")
     assert every.tokens_per_sample - last.tokens_per_sample == 64
     assert every.source.endswith("x 2.00 answered turns (sampling.turns all)") and "turns" not in last.source
+
+
+def test_the_demo_online_plan_stores_no_states_and_prices_the_prefill(demo):
+    offline = plan_run(demo, CPU_ONLY).phase("training").costs[2]
+    assert offline.startswith("offline (chosen): 94.7 MB of hidden states on disk, ~20,503 tokens prefilled once;")
+    demo.training.data, demo.extraction.backend = "online", "vllm"
+    plan = plan_run(demo, CPU_ONLY)
+    assert plan.phase("extraction").status == "skipped (training.data online)" and plan.hidden_state_bytes == 0
+    training = plan.phase("training")
+    # 8 requests in flight + 64 samples ahead, 181.4 tokens a training row, 4 x 576 bf16 states + 9 bytes a token
+    buffer = (8 + 64) * (20_503 / 113) * (4 * 576 * 2 + 9)
+    assert training.costs[2] == (
+        f"offline: 94.7 MB of hidden states on disk, ~20,503 tokens prefilled once; online (chosen): at most "
+        f"{buffer / 1e6:.1f} MB of states at a time (8 requests in flight + online_prefetch 64), ~31,243 tokens "
+        "prefilled (1.5 epochs) beside training"
+    )
+    assert training.engines[1].startswith("vllm-cpu extract_hidden_states: 1 engine")
+    demo.training.max_steps, demo.training.epochs = None, 3.0  # every epoch prefills again, unless cached
+    assert "~61,509 tokens prefilled (3 epochs)" in plan_run(demo, CPU_ONLY).phase("training").costs[2]
+    demo.training.online_cache_gb = 1.0
+    assert "~20,503 tokens prefilled (1 epochs)" in plan_run(demo, CPU_ONLY).phase("training").costs[2]

@@ -62,3 +62,24 @@ def test_a_flow_on_a_run_folder_another_process_writes_is_refused_before_any_pha
     finally:
         holder.kill()
         holder.wait()
+
+
+class PassingRunner(RecordingRunner):
+    """Records every phase and its task, and lets each one pass (a stand-in manifest)."""
+
+    def __init__(self, num_layers: int):
+        super().__init__(num_layers)
+        self.tasks: dict[str, str] = {}
+
+    def __call__(self, task, phase: str, *upstream, **options):
+        self.phases.append(phase)
+        self.tasks[phase] = task.fn.__name__
+        return self.target if phase == "prepare_target" else object()
+
+
+def test_online_training_runs_no_extraction_phase(tmp_path):
+    runner = PassingRunner(30)
+    config = PipelineConfig.model_validate({"run_dir": str(tmp_path), "training": {"data": "online"}})
+    run_all_phases(config, runner)
+    assert runner.phases == ["prepare_target", "sampling", "vocab", "training", "evaluation"]
+    assert runner.tasks["training"] == "train_online_task"

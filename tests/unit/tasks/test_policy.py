@@ -29,8 +29,8 @@ from eagle3_core.artifacts import (
 )
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
-from eagle3_core.extraction.storage import ShardError
 from eagle3_core.faults import ENV, InjectedFault, check_fault, faulting_progress
+from eagle3_core.hidden_states.storage import ShardError
 from eagle3_core.phases import PhaseSpec
 from eagle3_core.progress import ProgressUpdate
 from eagle3_core.serving.engine import EngineDied

@@ -26,8 +26,8 @@ from eagle3_core.extraction.connector import (
     wants_fp8,
     wants_hidden_states,
 )
-from eagle3_core.extraction.storage import FP8, write_shard
 from eagle3_core.extraction.vllm_backend import read_states_file, sample_states
+from eagle3_core.hidden_states.storage import FP8, write_shard
 
 # vLLM 0.26 caches the states as [blocks, block, L, H], 0.32 as [blocks, L, block, H]: with a block of 4
 # tokens and L = 4 (3 aux + last) one cache reads right under either version's `extract_from_kv_cache`.

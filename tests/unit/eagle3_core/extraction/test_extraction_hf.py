@@ -16,8 +16,8 @@ from eagle3_core.events import CACHE_HIT, RESUME, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction.hf_backend import HfBackend
 from eagle3_core.extraction.merge import merge_slices
 from eagle3_core.extraction.phase import extract_hidden_states
-from eagle3_core.extraction.reader import HiddenStateDataset
-from eagle3_core.extraction.storage import FP8_MAX_RELATIVE_ERROR
+from eagle3_core.hidden_states.reader import HiddenStateDataset
+from eagle3_core.hidden_states.storage import FP8_MAX_RELATIVE_ERROR
 from eagle3_core.sampling.table import is_heldout, iter_rows
 from tests.helpers.extraction_fixtures import build_sample_set
 

@@ -57,7 +57,7 @@ def inline_batches(data, tc: TrainingConfig, group: Group, start: int, stop: int
 def test_prefetched_batches_equal_the_inline_ones_from_any_start(tmp_path: Path, dtype: str) -> None:
     """Same batches, same order, same values (fp8/bf16 states dequantised after the copy instead of when
     read), from step 0 and from a resume position mid-epoch."""
-    from eagle3_core.extraction.reader import HiddenStateDataset
+    from eagle3_core.hidden_states.reader import HiddenStateDataset
     from tests.helpers.hidden_state_sets import make_set
 
     hidden = make_set(tmp_path, [5, 9, 3, 7, 4, 6, 8], dtype=dtype)

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch.utils.data import Dataset
 
 from eagle3_core.artifacts import HiddenStateSet
-from eagle3_core.extraction.storage import read_sample
+from eagle3_core.hidden_states.storage import read_sample
 
 log = logging.getLogger("eagle3")
 INDEX_FILE = "index.json"
@@ -119,10 +119,16 @@ class HiddenStateDataset(Dataset):
             return read_sample(handle, offsets, entry.position, self.max_length, self.dequantize)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        parts = [self._read(self.entries[i]) for i in self.packs[index]]
-        item = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
-        item["position_ids"] = torch.cat([torch.arange(len(p["input_ids"])) for p in parts])
-        item["document_ids"] = torch.cat(
-            [torch.full((len(p["input_ids"]),), doc, dtype=torch.long) for doc, p in enumerate(parts)]
-        )
-        return item
+        return packed_item([self._read(self.entries[i]) for i in self.packs[index]])
+
+
+def packed_item(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One packed sequence of the samples `parts` (each `aux` [t, 3, H], `last` [t, H], `input_ids`,
+    `loss_mask` [t], fp8 scales where stored): their tensors concatenated along tokens, with `position_ids`
+    restarting at 0 per sample and `document_ids` 0, 1, ... per sample."""
+    item = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+    item["position_ids"] = torch.cat([torch.arange(len(p["input_ids"])) for p in parts])
+    item["document_ids"] = torch.cat(
+        [torch.full((len(p["input_ids"]),), doc, dtype=torch.long) for doc, p in enumerate(parts)]
+    )
+    return item

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagle3_core.artifacts import ArtifactInvalid
-from eagle3_core.extraction.reader import HiddenStateDataset, pack
+from eagle3_core.hidden_states.reader import HiddenStateDataset, pack
 from tests.helpers.hidden_state_sets import H, make_set
 
 

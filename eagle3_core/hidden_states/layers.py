@@ -1,5 +1,5 @@
-"""What the extraction phase and its backends agree on: the target layers whose states it stores. Below
-both, so a backend never imports the phase."""
+"""Which target layers the states come from: what extraction, its backends and training agree on, below
+all of them."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eagle3_core.extraction.storage import (
+from eagle3_core.files import sha256_file
+from eagle3_core.hidden_states.storage import (
     FP8_MAX_RELATIVE_ERROR,
     BackgroundShardWriter,
     SampleStates,
@@ -23,7 +24,6 @@ from eagle3_core.extraction.storage import (
     read_shard_metadata,
     write_shard,
 )
-from eagle3_core.files import sha256_file
 
 H = 32
 
