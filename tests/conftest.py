@@ -1,10 +1,13 @@
 """Shared fixtures, each built once per test session (once per xdist worker): the real embedded target
 (converted once per machine), tiny random targets, the shared vLLM servers (`served_targets.py`), one
 throwaway Prefect API (a temporary database and server) for the tests that need not be isolated, and, where
-EAGLE3_TEST_POSTGRES is set, one Prefect server on PostgreSQL for the tests whose workers share a server."""
+EAGLE3_TEST_POSTGRES is set, one Prefect server on PostgreSQL for the tests whose workers share a server.
+One is built once for the whole suite, whatever the workers: `demo_run`, the real `make demo`
+(`tests/helpers/demo_run.py`)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from eagle3_core.config import TargetConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.serving.vllm_plugin import CPU_FORK
 from eagle3_core.target.prepare import describe_folder, prepare_target
+from tests.helpers.demo_run import DemoRun, suite_demo_run
 from tests.helpers.postgres import prefect_server_on_postgres
 from tests.helpers.served_targets import ServedTargets
 from tests.helpers.tiny_targets import build_tiny_target
@@ -73,6 +77,35 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+# Seconds each module took in a whole-suite run (setup, call and teardown of its tests; bench/suite_census.py
+# writes this file's successor at the end of every `make test` as `<basetemp>/module_seconds.json`).
+MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
+# A slow module that file has not measured yet is scheduled among the long ones, never last.
+UNRECORDED_SLOW_S = 300.0
+
+
+def module_order(items: list[pytest.Item], recorded: dict[str, float]) -> list[pytest.Item]:
+    """`items` with whole modules longest first (their recorded seconds, else UNRECORDED_SLOW_S for a module
+    with a slow test and 0 for one without), each module's tests in their own order."""
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def cost(module: str) -> float:
+        slow = any(item.get_closest_marker("slow") for item in modules[module])
+        return recorded.get(module, UNRECORDED_SLOW_S if slow else 0.0)
+
+    return [item for module in sorted(modules, key=cost, reverse=True) for item in modules[module]]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest modules first: `--dist loadfile --no-loadscope-reorder` (Makefile) hands whole modules to
+    the two xdist workers in this order, so the short ones at the end even out when the workers finish
+    (pytest-xdist's own order, by the number of tests in a module, left the one-test integration modules of
+    several minutes each for last). Every worker collects alike, so every worker computes the same order."""
+    items[:] = module_order(items, json.loads(MODULE_SECONDS.read_text()))
+
+
 @pytest.fixture(scope="session")
 def prefect_api():
     """One Prefect test server for the session. A test that reads back everything the API holds (logs,
@@ -99,3 +132,10 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     servers = ServedTargets(tmp_path_factory.mktemp("served"))
     yield servers
     servers.stop_all()
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """The suite's one real `make demo` (configs/demo.yaml, its own run folder): read it, never write into it;
+    `demo_run.copy_draft(folder)` gives a test a draft of its own to evaluate or serve."""
+    return suite_demo_run(tmp_path_factory)
