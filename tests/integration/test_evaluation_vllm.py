@@ -120,9 +120,9 @@ def test_draft_exported_with_wrong_layer_ids_trips_the_guard(
     wrong_dir = tmp_path / "draft" / "export"
     shutil.copytree(export_dir(checkpoint), wrong_dir)
     config_json = json.loads((wrong_dir / "config.json").read_text())
-    # Far from the trained ids: this lightly trained draft leans on the token embedding, so an off-by-one
-    # only cost it ~10% (position 0: 0.172 -> 0.152 on HumanEval) where [27, 28, 29] cost ~85% (0.116 ->
-    # 0.018 over both sets, against the floor's 0.058).
+    # Far from the trained ids: a lightly trained draft leans on the token embedding, so an off-by-one only
+    # cost a 16-step draft ~10% (position 0: 0.172 -> 0.152 on HumanEval) where [27, 28, 29] cost it ~85%
+    # (0.116 -> 0.018 over both sets, against the floor's 0.058); the demo's draft trained twice as long.
     wrong_ids = [27, 28, 29]
     config_json["eagle_aux_hidden_state_layer_ids"] = wrong_ids
     config_json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = wrong_ids
