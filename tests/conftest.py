@@ -67,7 +67,12 @@ def pytest_configure(config: pytest.Config) -> None:
     to every core, so two workers' engines spin on the same two cores: measured on the 2-core AVX2 EPYC, two
     engines generating at once made 20-21 tokens/s each, 54-57 bound one to a core (one engine alone: 65-68
     with both cores; bench/RESULTS.md "Test suite time"). Waiting OpenMP threads of any other process (a flow's
-    `hf` extraction, a training) sleep instead of spinning for the same reason. A variable already set wins."""
+    `hf` extraction, a training) sleep instead of spinning for the same reason. A variable already set wins.
+
+    pytest-xdist (3.8 and later) would hand out the modules by their number of tests: that reordering is turned
+    off, so the order of `pytest_collection_modifyitems` holds (earlier versions reorder regardless)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if worker is None or workers < 2:
@@ -99,10 +104,11 @@ def module_order(items: list[pytest.Item], recorded: dict[str, float]) -> list[p
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest modules first: `--dist loadfile --no-loadscope-reorder` (Makefile) hands whole modules to
-    the two xdist workers in this order, so the short ones at the end even out when the workers finish
-    (pytest-xdist's own order, by the number of tests in a module, left the one-test integration modules of
-    several minutes each for last). Every worker collects alike, so every worker computes the same order."""
+    """The longest modules first: `--dist loadfile` (Makefile) hands whole modules to the two xdist workers in
+    this order (`pytest_configure` turns pytest-xdist's own reordering off), so the short ones at the end even
+    out when the workers finish (pytest-xdist's order, by the number of tests in a module, left the one-test
+    integration modules of several minutes each for last). Every worker collects alike, so every worker
+    computes the same order."""
     items[:] = module_order(items, json.loads(MODULE_SECONDS.read_text()))
 
 
