@@ -7,7 +7,9 @@ DEMO_CONFIG ?= configs/demo.yaml
 
 # The suite runs on TEST_WORKERS pytest-xdist workers, a whole test module to each (--dist loadfile: its
 # module-scoped fixtures are built once): an engine start is three Python processes importing vLLM one after
-# the other, so one core idles while they do; a second worker fills it.
+# the other, so one core idles while they do; a second worker fills it. The modules go out longest first
+# (tests/conftest.py orders them by tests/module_seconds.json), and every run prints the 25 slowest tests and
+# what the suite paid for (bench/suite_census.py: engine starts, Prefect servers, trainings, seconds per module).
 TEST_WORKERS ?= 2
 
 .PHONY: install install-gpu demo test test-unit lint docs format
@@ -56,7 +58,7 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 test: lint docs
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=25 -p bench.suite_census
 
 # The fast tier alone (tiny models, fake engines, no vLLM start): what a contributor runs while editing.
 test-unit: install

@@ -1,6 +1,7 @@
-"""What the test suite pays for, counted: a pytest plugin for issue 24's "measure before cutting".
+"""What the test suite pays for, counted: a pytest plugin for issue 24's "measure before cutting", loaded by
+every `make test` (and so every `.ci/run`):
 
-    PYTHONPATH=bench .venv/bin/python -m pytest -p suite_census --basetemp=/tmp/census --durations=40
+    .venv/bin/python -m pytest -p bench.suite_census --durations=25 ...
 
 At the end of the session it prints, and writes to `<basetemp>/census.json`:
 - vLLM engine starts (real `vllm.entrypoints` servers, and the fake engines of the unit tests apart), by phase,
@@ -9,7 +10,10 @@ At the end of the session it prints, and writes to `<basetemp>/census.json`:
 - Prefect servers: `prefect_test_harness` entries in this process, `prefect server start` subprocesses, and the
   `eagle3 run`/`python -m cli run` subprocesses, each of which starts an ephemeral server unless it is given an
   API URL;
-- training runs (the phase's "trained N steps" decisions) and GGUF conversions (prepare's "converted" decisions).
+- training runs (the phase's "trained N steps" decisions) and GGUF conversions (prepare's "converted" decisions);
+- the seconds of each test module (setup, call and teardown of its tests, longest first), also written as
+  `<basetemp>/module_seconds.json`: the format of tests/module_seconds.json, which orders the modules for the
+  xdist workers (tests/conftest.py); copy it over that file to schedule by the latest run.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import pytest
 
 SPAWNED: list[list[str]] = []
 HARNESS_ENTRIES = 0
+MODULE_SECONDS: collections.Counter[str] = collections.Counter()
 
 
 def record_spawn(argv: object, env: dict | None) -> None:
@@ -99,6 +104,23 @@ def census(root: Path, spawned: list[list[str]], harness_entries: int) -> dict:
     }
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests() -> None:
+    """Wrap before the conftests import `prefect_test_harness` by name."""
+    wrap_popen()
+    wrap_harness()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Under xdist the controller gets every worker's reports, so it alone adds up the modules."""
+    MODULE_SECONDS[report.nodeid.split("::")[0]] += report.duration
+
+
+def module_seconds(seconds: collections.Counter[str]) -> dict[str, float]:
+    """Seconds per module, longest first, rounded to the second."""
+    return {module: round(total) for module, total in seconds.most_common()}
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """An xdist worker leaves its process-local counts beside its base temp; the controller (or a run
     without xdist) adds them up and reads the events of every worker."""
@@ -112,4 +134,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     spawned = SPAWNED + [w for p in parts for w in p["spawned"]]
     counts = census(root, spawned, HARNESS_ENTRIES + sum(p["harness_entries"] for p in parts))
     (root / "census.json").write_text(json.dumps(counts, indent=2))
+    modules = module_seconds(MODULE_SECONDS)
+    (root / "module_seconds.json").write_text(json.dumps(modules, indent=2) + "\n")
     print("\nsuite census:", json.dumps(counts, indent=2))
+    print(f"seconds per module ({root / 'module_seconds.json'}):")
+    for module, seconds in list(modules.items())[:25]:
+        print(f"{seconds:8d}  {module}")

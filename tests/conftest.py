@@ -1,10 +1,13 @@
 """Shared fixtures, each built once per test session (once per xdist worker): the real embedded target
 (converted once per machine), tiny random targets, the shared vLLM servers (`served_targets.py`), one
 throwaway Prefect API (a temporary database and server) for the tests that need not be isolated, and, where
-EAGLE3_TEST_POSTGRES is set, one Prefect server on PostgreSQL for the tests whose workers share a server."""
+EAGLE3_TEST_POSTGRES is set, one Prefect server on PostgreSQL for the tests whose workers share a server.
+One is built once for the whole suite, whatever the workers: `demo_run`, the real `make demo`
+(`tests/helpers/demo_run.py`)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from eagle3_core.config import TargetConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.serving.vllm_plugin import CPU_FORK
 from eagle3_core.target.prepare import describe_folder, prepare_target
+from tests.helpers.demo_run import DemoRun, suite_demo_run
 from tests.helpers.postgres import prefect_server_on_postgres
 from tests.helpers.served_targets import ServedTargets
 from tests.helpers.tiny_targets import build_tiny_target
@@ -63,7 +67,12 @@ def pytest_configure(config: pytest.Config) -> None:
     to every core, so two workers' engines spin on the same two cores: measured on the 2-core AVX2 EPYC, two
     engines generating at once made 20-21 tokens/s each, 54-57 bound one to a core (one engine alone: 65-68
     with both cores; bench/RESULTS.md "Test suite time"). Waiting OpenMP threads of any other process (a flow's
-    `hf` extraction, a training) sleep instead of spinning for the same reason. A variable already set wins."""
+    `hf` extraction, a training) sleep instead of spinning for the same reason. A variable already set wins.
+
+    pytest-xdist (3.8 and later) would hand out the modules by their number of tests: that reordering is turned
+    off, so the order of `pytest_collection_modifyitems` holds (earlier versions reorder regardless)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if worker is None or workers < 2:
@@ -71,6 +80,36 @@ def pytest_configure(config: pytest.Config) -> None:
     cores = worker_cores(int(worker.removeprefix("gw")), workers, sorted(os.sched_getaffinity(0)))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+# Seconds each module took in a whole-suite run (setup, call and teardown of its tests; bench/suite_census.py
+# writes this file's successor at the end of every `make test` as `<basetemp>/module_seconds.json`).
+MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
+# A slow module that file has not measured yet is scheduled among the long ones, never last.
+UNRECORDED_SLOW_S = 300.0
+
+
+def module_order(items: list[pytest.Item], recorded: dict[str, float]) -> list[pytest.Item]:
+    """`items` with whole modules longest first (their recorded seconds, else UNRECORDED_SLOW_S for a module
+    with a slow test and 0 for one without), each module's tests in their own order."""
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def cost(module: str) -> float:
+        slow = any(item.get_closest_marker("slow") for item in modules[module])
+        return recorded.get(module, UNRECORDED_SLOW_S if slow else 0.0)
+
+    return [item for module in sorted(modules, key=cost, reverse=True) for item in modules[module]]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest modules first: `--dist loadfile` (Makefile) hands whole modules to the two xdist workers in
+    this order (`pytest_configure` turns pytest-xdist's own reordering off), so the short ones at the end even
+    out when the workers finish (pytest-xdist's order, by the number of tests in a module, left the one-test
+    integration modules of several minutes each for last). Every worker collects alike, so every worker
+    computes the same order."""
+    items[:] = module_order(items, json.loads(MODULE_SECONDS.read_text()))
 
 
 @pytest.fixture(scope="session")
@@ -99,3 +138,10 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     servers = ServedTargets(tmp_path_factory.mktemp("served"))
     yield servers
     servers.stop_all()
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """The suite's one real `make demo` (configs/demo.yaml, its own run folder): read it, never write into it;
+    `demo_run.copy_draft(folder)` gives a test a draft of its own to evaluate or serve."""
+    return suite_demo_run(tmp_path_factory)

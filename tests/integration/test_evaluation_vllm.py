@@ -1,5 +1,6 @@
-"""Evaluation on the real SmolLM2-135M-Instruct with a draft trained by the pipeline's own phases
-(vLLM sampling, transformers extraction, vocab mapping, training on CPU, a few minutes in all):
+"""Evaluation on the real SmolLM2-135M-Instruct with a draft trained by the pipeline's own phases: the
+suite's demo run (`make demo`: vLLM sampling, transformers extraction, vocab mapping, training on CPU; the
+`demo_run` fixture, built once for every test that reads it):
 
 - chain speculative decoding in transformers equals plain greedy decoding (fp32) on HumanEval and
   held-out prompts, with tokens accepted along the way (the phase's own lossless check of measurement a);
@@ -14,11 +15,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from eagle3_core.artifacts import DraftCheckpoint, TargetModel
 from eagle3_core.config import PipelineConfig
-from eagle3_core.evaluation.speculative import torch_threads
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, RunEvents
+from tests.helpers.demo_run import REPO, DemoRun
 from tests.helpers.served_targets import FLOAT32, pinned_dtypes
 
 pytestmark = pytest.mark.slow
@@ -30,6 +32,8 @@ pytestmark = pytest.mark.slow
 TAU_TOLERANCE = 0.1
 POSITION0_TOLERANCE = 0.07
 LOSSLESS_CHECKS = 3
+# The demo run's sampling settings: the held-out prompts measured here are those its training left out.
+DEMO_SAMPLING = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())["sampling"]
 
 
 def pipeline_config(run_dir: Path, **evaluation) -> PipelineConfig:
@@ -41,12 +45,7 @@ def pipeline_config(run_dir: Path, **evaluation) -> PipelineConfig:
     return PipelineConfig.model_validate(pinned_dtypes({
         "run_dir": str(run_dir),
         "server": FLOAT32,
-        "sampling": {"prompt_files": ["demo"], "max_prompts": 96, "max_tokens": 128, "holdout_fraction": 0.1},
-        "extraction": {"backend": "hf", "batch_size": 4, "device": "cpu"},
-        "vocab": {"draft_vocab_size": 8192},
-        # one epoch (16 steps) at a high lr: position 0 at 0.116 in (a) where 3 epochs at 1e-3 reached 0.166, a
-        # third of the training time (138 s against 316 s on the 2-core AVX2 EPYC, bench/RESULTS.md)
-        "training": {"epochs": 1, "max_length": 1024, "lr": 3e-3, "device": "cpu"},
+        "sampling": DEMO_SAMPLING,
         # concurrency 1: (b)'s batch-1 pass is its throughput pass too, each server answers each prompt once
         "evaluation": {"max_prompts": 6, "max_new_tokens": 64, "cpu_threads": 1, "concurrency": 1,
                        "lossless_check_prompts": 0, **evaluation},
@@ -54,21 +53,10 @@ def pipeline_config(run_dir: Path, **evaluation) -> PipelineConfig:
 
 
 @pytest.fixture(scope="module")
-def trained(smollm2_target: TargetModel, served, tmp_path_factory: pytest.TempPathFactory):
-    """SampleSet and DraftCheckpoint of a small run of the real pipeline, sampled on the shared server."""
-    from eagle3_core.extraction.phase import extract_hidden_states
-    from eagle3_core.sampling.phase import sample_prompts
-    from eagle3_core.training.phase import train_draft
-    from eagle3_core.vocab import build_vocab_map
-
-    run_dir = tmp_path_factory.mktemp("trained")
-    config, events = pipeline_config(run_dir), RunEvents(run_dir)
-    sample_set = sample_prompts(config, smollm2_target, events, server=served.get(smollm2_target, config.server))
-    with torch_threads(1):  # two spinning OpenMP threads stall each other on a shared 2-core machine
-        hidden_states = extract_hidden_states(config, sample_set, smollm2_target, events)
-        vocab_map = build_vocab_map(config, sample_set, smollm2_target, events)
-        checkpoint = train_draft(config, hidden_states, vocab_map, smollm2_target, events)
-    return sample_set, checkpoint
+def trained(demo_run: DemoRun, tmp_path_factory: pytest.TempPathFactory):
+    """SampleSet and DraftCheckpoint of the suite's demo run, the draft copied into this module's folder (the
+    evaluation writes the model card into the export it measures; the demo's own stays as it trained it)."""
+    return demo_run.sample_set(), demo_run.copy_draft(tmp_path_factory.mktemp("trained") / "draft")
 
 
 def test_speculative_output_equals_greedy_on_smollm2(trained, evaluated) -> None:
@@ -132,9 +120,9 @@ def test_draft_exported_with_wrong_layer_ids_trips_the_guard(
     wrong_dir = tmp_path / "draft" / "export"
     shutil.copytree(export_dir(checkpoint), wrong_dir)
     config_json = json.loads((wrong_dir / "config.json").read_text())
-    # Far from the trained ids: this lightly trained draft leans on the token embedding, so an off-by-one
-    # only cost it ~10% (position 0: 0.172 -> 0.152 on HumanEval) where [27, 28, 29] cost ~85% (0.116 ->
-    # 0.018 over both sets, against the floor's 0.058).
+    # Far from the trained ids: a lightly trained draft leans on the token embedding, so an off-by-one only
+    # cost a 16-step draft ~10% (position 0: 0.172 -> 0.152 on HumanEval) where [27, 28, 29] cost it ~85%
+    # (0.116 -> 0.018); they cost the demo's draft ~74% (0.215 -> 0.056 over both sets, floor 0.107).
     wrong_ids = [27, 28, 29]
     config_json["eagle_aux_hidden_state_layer_ids"] = wrong_ids
     config_json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = wrong_ids
@@ -142,7 +130,7 @@ def test_draft_exported_with_wrong_layer_ids_trips_the_guard(
     wrong = DraftCheckpoint(root=str(wrong_dir.parent), layer_ids=checkpoint.layer_ids)
 
     floor = baseline.per_position[0] / 2  # the right ids pass it comfortably
-    # 3 prompts a set (~370 position-0 drafts): at the measured 0.018 ~7 are accepted, where the floor needs ~21
+    # 3 prompts a set (~340 position-0 drafts): at the measured 0.056 ~19 are accepted, where the floor needs ~36
     config = pipeline_config(tmp_path, with_vllm=False, acceptance_floor=floor, max_prompts=3)
     with pytest.raises(AcceptanceBelowFloor) as failure:
         evaluate_draft(config, wrong, smollm2_target, sample_set, RunEvents(tmp_path))

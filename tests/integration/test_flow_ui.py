@@ -126,7 +126,7 @@ def test_custom_run_from_the_ui_completes(prefect_server: PrefectServer, tmp_pat
         deadline = time.monotonic() + 1500
         state = runs[0]["state"]["type"]
         while state not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") and time.monotonic() < deadline:
-            time.sleep(5)
+            time.sleep(1)
             state = httpx.get(f"{base}/api/flow_runs/{run_id}", timeout=30).json()["state"]["type"]
         assert state == "COMPLETED"
         (tmp_path / "shoot.js").write_text(SHOOT_JS)

@@ -3,7 +3,9 @@ bash blocks runs here (`make test` and `make test-unit` are this suite itself: t
 page promises for the second `make demo` (every phase cached, no weight load) is what it prints.
 
 `make demo` runs with `DEMO_CONFIG` pointing at a copy of configs/demo.yaml whose `run_dir` is a temporary
-folder: the same make target and recipe, without touching a `runs/demo` the checkout may already hold."""
+folder: the same make target and recipe, without touching a `runs/demo` the checkout may already hold. The
+first `make demo` is the suite's one demo run (the `demo_run` fixture, tests/helpers/demo_run.py), which
+other tests read too; the second is this test's own."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
+
+from tests.helpers.demo_run import DEMO_COMMAND, DemoRun, run_make
 
 pytestmark = pytest.mark.slow
 
@@ -33,28 +36,24 @@ def section_blocks(kind: str) -> list[str]:
 def make(command: str, demo_config: Path) -> subprocess.CompletedProcess[str]:
     words = command.split()
     assert words[0] == "make", f"{PAGE}: `{command}` is no make command; teach this test to run it"
-    return subprocess.run(
-        [*words, f"DEMO_CONFIG={demo_config}"], cwd=REPO, capture_output=True, text=True, timeout=2400
-    )
+    return run_make(command, demo_config)
 
 
-def test_the_quickstart_cpu_commands_run_and_the_second_demo_is_all_cached(tmp_path: Path) -> None:
-    config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text()) | {"run_dir": str(tmp_path / "demo")}
-    demo_config = tmp_path / "demo.yaml"
-    demo_config.write_text(yaml.safe_dump(config))
+def test_the_quickstart_cpu_commands_run_and_the_second_demo_is_all_cached(demo_run: DemoRun) -> None:
     commands = [line.strip() for body in section_blocks("bash") for line in body.splitlines() if line.strip()]
-    assert "make demo" in commands
+    assert DEMO_COMMAND in commands
     for command in commands:
         if command in RUN_BY_CI:
             continue
-        done = make(command, demo_config)
+        # the page's `make demo` is the suite's demo run: the same command, run once for every test reading it
+        done = demo_run if command == DEMO_COMMAND else make(command, demo_run.config)
         assert done.returncode == 0, (
             f"`{command}` exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
         )
-    assert (tmp_path / "demo" / "draft" / "export" / "config.json").is_file()
-    assert (tmp_path / "demo" / "eval" / "report.md").is_file()
+    assert (demo_run.run_dir / "draft" / "export" / "config.json").is_file()
+    assert (demo_run.run_dir / "eval" / "report.md").is_file()
 
-    again = make("make demo", demo_config)
+    again = make(DEMO_COMMAND, demo_run.config)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     printed = " ".join(again.stdout.split())  # the summary is wrapped to the terminal's width
     for promised in section_blocks("text"):
