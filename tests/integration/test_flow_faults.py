@@ -16,6 +16,7 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RESUME, WEIGHT_LOAD, RunEvents
 from eagle3_core.faults import ENV
@@ -49,7 +50,9 @@ SMALL = {
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def run_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_target: TargetModel) -> Path:
+    """The chain's run folder, with the embedded target converted first: the GGUF conversion is a weight load
+    of prepare_target, and a fresh host (the first module of a suite) would count it among the resume's loads."""
     return tmp_path_factory.mktemp("flow") / "run"
 
 
