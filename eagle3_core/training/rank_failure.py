@@ -92,6 +92,15 @@ def last_lines(text: str, count: int) -> str:
     return "\n".join(text.rstrip().splitlines()[-count:])
 
 
+def traceback_tail(traceback: str, count: int) -> str:
+    """The last `count` lines of a traceback, under its `Traceback (most recent call last):` header, with `...`
+    where frames were left out."""
+    lines = traceback.rstrip().splitlines()
+    if len(lines) <= count:
+        return "\n".join(lines)
+    return "\n".join([lines[0], "  ...", *lines[-count:]])
+
+
 def launch_failure(returncode: int, log_dir: Path) -> RankFailed:
     """Why a launch ended with `returncode`: the first rank's error, its traceback and log tail, caused by
     that rank's exception; without an error record (a rank killed by a signal), the agent's log tail."""
@@ -106,7 +115,7 @@ def launch_failure(returncode: int, log_dir: Path) -> RankFailed:
     failure = RankFailed(
         f"training rank {first.rank} failed: {first.message}"
         + (f" (then ranks {others} failed too)" if others else "")
-        + f"\n{last_lines(first.traceback, TRACEBACK_LINES)}\nrank {first.rank}'s {log_excerpt(first.log)}"
+        + f"\n{traceback_tail(first.traceback, TRACEBACK_LINES)}\nrank {first.rank}'s {log_excerpt(first.log)}"
     )
     failure.__cause__ = rank_exception(first)
     return failure

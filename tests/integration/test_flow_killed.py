@@ -228,7 +228,8 @@ def test_killed_mid_extraction_resumes_extraction_and_leaves_no_vllm_server(runs
     assert loads(events) == {"extraction": 1}, "only the unfinished extraction loads the target"
     [resume] = [e for e in events if e["event"] == RESUME and e["phase"] == "extraction"]
     assert not kept & {name + DONE_SUFFIX for name in resume["pending"]}, "shards done before the kill are kept"
-    assert events[-1]["phase"] == "vocab" and [e for e in events if e["event"] == ENGINE_STOP]
+    # the run went on to vocab (training may have logged its first line before the run was stopped)
+    assert "vocab" in {e["phase"] for e in events} and [e for e in events if e["event"] == ENGINE_STOP]
     runs.assert_no_engine_left()  # the server stopped with the extraction, while the run goes on
 
 

@@ -348,9 +348,14 @@ def test_the_training_task_publishes_the_training_curves(config, tmp_path, monke
         upstream = (HiddenStateSet(root=str(tmp_path)), VocabMap(root=str(tmp_path)), fake_target(tmp_path))
         return configured(train_draft_task, config, "training")(config, *upstream)  # results under the run
 
-    assert training_flow() == checkpoint
-    with get_client(sync_client=True) as client:
-        artifacts = [a for a in client.read_artifacts() if a.key == "training-curves"]
+    state = training_flow(return_state=True)
+    assert state.result() == checkpoint
+    with get_client(sync_client=True) as client:  # the worker's Prefect server holds other tests' runs too
+        artifacts = [
+            a
+            for a in client.read_artifacts()
+            if a.key == "training-curves" and a.flow_run_id == state.state_details.flow_run_id
+        ]
     assert artifacts and artifacts[0].type == "markdown"
     assert "![training curves](data:image/png;base64," in artifacts[0].data
     assert f"tensorboard --logdir {draft_dir / 'tensorboard'}" in artifacts[0].data
