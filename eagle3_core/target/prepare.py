@@ -18,12 +18,13 @@ from pathlib import Path
 from eagle3_core.artifacts import ArtifactInvalid, FileRecord, TargetModel, record_files
 from eagle3_core.config import TargetConfig
 from eagle3_core.events import CACHE_HIT, DECISION, RunEvents
-from eagle3_core.files import UnreadableFile, read_json_object, sha256_json
+from eagle3_core.files import read_json_object, sha256_json
 from eagle3_core.phases import PREPARE_TARGET
 from eagle3_core.progress import ProgressCallback, ignore_progress
 from eagle3_core.target.digest import weight_digests
 from eagle3_core.target.hub import HubId, download_snapshot
 from eagle3_core.target.reference import (
+    CONFIG_REMEDY,
     TargetNotFound,
     TargetReference,
     converted_dir,
@@ -39,7 +40,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 DIGESTED_FILES = ("generation_config.json", "model.safetensors.index.json")
 DEFAULT_CACHE = TargetConfig.model_fields["cache_dir"].default
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")  # one holds the tokens
-TEXT_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size")
 
 
 def convert_gguf(gguf: Path, out_dir: Path, dtype: str) -> None:
@@ -74,14 +74,9 @@ def describe_folder(
     records each weight file with its content's sha256 (`digest.weight_digests`, kept under `cache_dir`), the
     weight sizes and the text config's fields later phases read (the one read of config.json). Without
     `hash_weights` (a plan), weights are recorded only where their digests are already kept."""
-    remedy = "download the model again or point target.model elsewhere"
+    remedy = CONFIG_REMEDY
     config = read_json_object(model_dir / "config.json", remedy)
-    text = config.get("text_config", config)
-    missing = [field for field in TEXT_FIELDS if not isinstance(text.get(field), int)]
-    if missing:
-        raise UnreadableFile(
-            f"{model_dir / 'config.json'}: no {', '.join(missing)} (a model's config states them); {remedy}"
-        )
+    fields = manifest_fields(config, model_dir / "config.json")
     weights = sorted(model_dir.glob("*.safetensors"))  # none: a config to plan with, not a model to run
     if weights and not any((model_dir / name).is_file() for name in VOCABULARY_FILES):
         raise FileNotFoundError(f"{model_dir}: no tokenizer ({', '.join(VOCABULARY_FILES)}: none is there); {remedy}")
@@ -103,7 +98,7 @@ def describe_folder(
         tokenizer_digest=tokenizer_digest({f.path: f.sha256 for f in files[1:]}),
         chat_template=template,
         weights={p.name: p.stat().st_size for p in weights},
-        **manifest_fields(config),
+        **fields,
     )
 
 

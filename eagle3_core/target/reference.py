@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from eagle3_core.artifacts import TargetModel, TargetText
 from eagle3_core.config import TargetConfig
-from eagle3_core.files import sha256_file
+from eagle3_core.files import UnreadableFile, sha256_file
 from eagle3_core.model_size import ModelSize, checkpoint_bytes, size_of_config
 from eagle3_core.target.hub import HubId, HubTargetError, hub_errors
 
@@ -151,9 +151,17 @@ def optional_hub_file(hub: HubId, filename: str) -> Path | None:
         return None
 
 
-def manifest_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """The `TargetModel` fields config.json gives: architecture, shape and the text config later phases read."""
+TEXT_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size")
+CONFIG_REMEDY = "download the model again or point target.model elsewhere"
+
+
+def manifest_fields(config: dict[str, Any], where: Path | str) -> dict[str, Any]:
+    """The `TargetModel` fields config.json gives: architecture, shape and the text config later phases read.
+    A config.json (`where`) without the shape fields is an `UnreadableFile` naming them."""
     text = config.get("text_config", config)
+    missing = [field for field in TEXT_FIELDS if not isinstance(text.get(field), int)]
+    if missing:
+        raise UnreadableFile(f"{where}: no {', '.join(missing)} (a model's config states them); {CONFIG_REMEDY}")
     return {
         "architecture": (config.get("architectures") or ["unknown"])[0],
         "model_type": text.get("model_type", config.get("model_type", "unknown")),
@@ -188,7 +196,7 @@ class TargetShape:
 
     def planned_target(self, name: str) -> TargetModel:
         """A manifest of this shape with no folder behind it (nothing hashed): what the plan sizes the draft by."""
-        fields = manifest_fields(self.config)
+        fields = manifest_fields(self.config, f"{self.source} config.json")
         return TargetModel(root="", name=name, source=self.source, config_digest="", tokenizer_digest="",
                            chat_template=None, **fields)  # fmt: skip
 
