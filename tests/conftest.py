@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from prefect.testing.utilities import prefect_test_harness
 
 from eagle3_core.artifacts import TargetModel
@@ -67,7 +68,10 @@ def pytest_configure(config: pytest.Config) -> None:
     to every core, so two workers' engines spin on the same two cores: measured on the 2-core AVX2 EPYC, two
     engines generating at once made 20-21 tokens/s each, 54-57 bound one to a core (one engine alone: 65-68
     with both cores; bench/RESULTS.md "Test suite time"). Waiting OpenMP threads of any other process (a flow's
-    `hf` extraction, a training) sleep instead of spinning for the same reason. A variable already set wins.
+    `hf` extraction, a training) sleep instead of spinning for the same reason, and torch in the worker and the
+    processes it starts runs as many threads as the worker has cores: two threads on two cores the other
+    worker keeps busy wait a time slice at every parallel region (a transformers evaluation of the fault chain:
+    17 s with two threads against 5 s with one, one core busy). A variable already set wins.
 
     pytest-xdist (3.8 and later) would hand out the modules by their number of tests: that reordering is turned
     off, so the order of `pytest_collection_modifyitems` holds (earlier versions reorder regardless)."""
@@ -80,6 +84,8 @@ def pytest_configure(config: pytest.Config) -> None:
     cores = worker_cores(int(worker.removeprefix("gw")), workers, sorted(os.sched_getaffinity(0)))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("OMP_NUM_THREADS", str(len(cores)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 # Seconds each module took in a whole-suite run (setup, call and teardown of its tests; bench/suite_census.py
