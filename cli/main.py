@@ -97,7 +97,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Failures the user can act on: a missing or wrong path (a target folder, a draft folder), a setting
     that does not fit the target, a dead or unreachable engine, a failed preflight, a full disk, a bad
     prompt file, shard or manifest, a vocab map of other data, a corrupt config.json or training state, a Hub id
-    that cannot be resolved, a Hub push without token or repo. Everything else is a bug: a traceback."""
+    that cannot be resolved, a Hub push without token or repo, the GPU slot's lease lost (the Prefect server
+    unreachable or the lease revoked: the phase stopped, its work kept). Everything else is a bug: a traceback."""
     from eagle3_core.files import DiskFullError, UnreadableFile
     from eagle3_core.hidden_states.storage import ShardError
     from eagle3_core.preflight import PreflightError
@@ -107,10 +108,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from eagle3_core.serving.engine import ServerError
     from eagle3_core.target.hub import HubTargetError
     from eagle3_core.vocab import StaleVocabMap
+    from tasks.gpu_slot import SlotLost
 
     paths = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
     return (*paths, ConfigError, PromptFileError, ServerError, PreflightError, DiskFullError, ShardError,
-            ArtifactInvalid, StaleVocabMap, UnreadableFile, HubTargetError, HubError, RunDirBusy)  # fmt: skip
+            ArtifactInvalid, StaleVocabMap, UnreadableFile, HubTargetError, HubError, RunDirBusy, SlotLost)  # fmt: skip
 
 
 def command(name: str) -> Callable[[Callable[P, None]], Callable[P, None]]:

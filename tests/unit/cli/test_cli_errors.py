@@ -3,6 +3,7 @@ folder) ends it with one `error:` line and exit status 1, not a traceback; `--de
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,25 @@ def test_an_empty_draft_folder_is_one_error_line(tmp_path: Path):
     assert result.exit_code == 1
     assert result.output.startswith(f"error: {empty}: neither a draft checkpoint nor an export folder")
     assert "Traceback" not in result.output
+
+
+def test_a_lost_gpu_slot_lease_is_one_error_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The Prefect server stops answering while a phase command holds the slot: the renewal thread stops the
+    phase (tests/unit/tasks/gpu_slot) and the command ends with the reason, not a traceback."""
+    from tasks.gpu_slot import SlotLost, kept_lease
+
+    def unreachable() -> None:
+        raise ConnectionError("the Prefect API at http://127.0.0.1:1/api is unreachable")
+
+    def phase_losing_its_lease(*args: object) -> None:
+        with kept_lease(unreachable, lease_s=0.2, what="the gpu slot"):
+            time.sleep(5)
+
+    monkeypatch.setattr("eagle3_core.target.prepare.prepare_target", phase_losing_its_lease)
+    result = CliRunner().invoke(app, ["prepare-target", "--set", f"run_dir={tmp_path / 'run'}"])
+    line = one_error_line(result)
+    assert line.startswith("error: the gpu slot: its lease could not be renewed for 0 s (last failure: the Prefect")
+    assert SlotLost.__name__ not in result.output
 
 
 def test_debug_keeps_the_traceback():
