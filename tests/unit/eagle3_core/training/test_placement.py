@@ -1,8 +1,11 @@
 """Where online training puts the extraction engine and training, on faked hosts: split where the host has
 more GPUs than the engine takes, shared with memory shares where it has not, the cores shared on a CPU;
-and the run's config as the placement runs it."""
+and the run's config as the placement runs it (its target a Hub id in a real Hub cache, offline, as a user's
+GPU host has it)."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
@@ -10,6 +13,7 @@ from eagle3_core.config import ConfigError, PipelineConfig, load_config
 from eagle3_core.online.phase import placed_config, placement_of
 from eagle3_core.training.placement import SHARED_ENGINE_MEMORY, place_online
 from tests.helpers.devices import CPU_ONLY, H100_X8, L4_X1, gpu_host
+from tests.helpers.hub_cache import add_commit, use_hub_cache
 
 H100_X2 = gpu_host(2, "NVIDIA H100 80GB HBM3, 81559, 570.86.15, 9.0")
 
@@ -52,8 +56,15 @@ def test_a_cpu_shares_its_cores() -> None:
     )
 
 
-def test_the_config_runs_as_placed(tmp_path) -> None:
-    config = PipelineConfig(run_dir=tmp_path, training={"data": "online"})
+def test_the_config_runs_as_placed(tmp_path, monkeypatch, smollm2_target) -> None:
+    """The resolved run reads the target's shape from its config.json: here from the Hub cache (without it,
+    on a host whose network drops packets, huggingface_hub retried for 46 s before the resolve gave up)."""
+    files = tmp_path / "files"
+    files.mkdir()
+    shutil.copy(smollm2_target.root_path / "config.json", files)
+    add_commit(tmp_path / "hub", "HuggingFaceTB/SmolLM2-135M-Instruct", files)
+    use_hub_cache(monkeypatch, tmp_path / "hub")
+    config = PipelineConfig(run_dir=tmp_path / "run", training={"data": "online"})
     config.target.model = "HuggingFaceTB/SmolLM2-135M-Instruct"
     split = placed_config(config, placement_of(config, H100_X2))
     assert split.training.device == "cuda:1" and split.server.env["CUDA_VISIBLE_DEVICES"] == "0"
