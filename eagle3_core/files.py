@@ -65,6 +65,11 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder` (0 where it does not exist)."""
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

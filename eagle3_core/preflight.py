@@ -17,6 +17,7 @@ from typing import Any
 
 from eagle3_core.config import PipelineConfig, ServerConfig
 from eagle3_core.events import PREFLIGHT, RunEvents
+from eagle3_core.files import folder_bytes
 from eagle3_core.gpus import gpu_compute_apps, has_cuda_gpus
 from eagle3_core.server_defaults import concrete_server
 from eagle3_core.serving.lifecycle import PortInUseError, check_port_free
@@ -26,10 +27,16 @@ class PreflightError(RuntimeError):
     """A heavy phase would fail or lose work; the message lists every problem found, before any weight load."""
 
 
-def disk_problem(path: Path, needed: int, free: int) -> str | None:
+def disk_problem(path: Path, needed: int, free: int, kept: Path | None = None) -> str | None:
+    """The disk check of a phase writing about `needed` bytes under `path`; `kept`: the run's kept results of
+    other settings, which the pipeline never deletes, named with their size where they could make the room."""
     if needed <= free:
         return None
-    return f"{path}: needs about {needed:,} bytes, {free:,} bytes are free there; free space or move run_dir"
+    problem = f"{path}: needs about {needed:,} bytes, {free:,} bytes are free there; free space or move run_dir"
+    kept_bytes = folder_bytes(kept) if kept is not None else 0
+    if kept_bytes:
+        problem += f" ({kept} holds {kept_bytes:,} bytes of other settings' results: delete those not needed again)"
+    return problem
 
 
 def port_problem(server: ServerConfig) -> str | None:

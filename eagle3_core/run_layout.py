@@ -133,10 +133,15 @@ class RunLayout:
         beside this one (two workers on one host), and is that slice's to stop."""
         return sorted(p for p in self.server.glob("*.pid") if slice_named(p.stem) == self.part)
 
+    @property
+    def kept_results(self) -> Path:
+        """The results of other settings, kept (`eagle3_core.kept`): never deleted by the pipeline."""
+        return self.root / "kept"
+
     def kept(self, folder: Path) -> Path:
         """Where results of other settings are kept for `folder` (a folder under the run's root):
         `<run_dir>/kept/<folder's path under the root>/`, one sub-folder per key (`eagle3_core.kept`)."""
-        return self.root / "kept" / Path(folder).relative_to(self.root)
+        return self.kept_results / Path(folder).relative_to(self.root)
 
     @property
     def prefect_results(self) -> Path:

@@ -19,6 +19,7 @@ from eagle3_core.preflight import (
     port_problem,
     server_gpus_source,
 )
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.server_defaults import concrete_server
 from eagle3_core.target.preflight import layer_problem, target_files_problems, tensor_parallel_problem
 
@@ -51,7 +52,7 @@ def preflight_extraction(
     gpus = (engine_gpus(config) if vllm else device_gpus(config.extraction.device)) if starts_engine else 0
     checks = {"disk_needed": needed, "disk_free": free, "layer_ids": layer_ids, "gpus": gpus}
     problems = [
-        disk_problem(out_dir, needed, free),
+        disk_problem(out_dir, needed, free, RunLayout.of(config).kept_results),
         layer_problem(layer_ids, target.num_layers, "extraction.layer_ids"),
         *target_files_problems(target),
         *sample_set_target_problems(sample_set, target),

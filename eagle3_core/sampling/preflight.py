@@ -10,6 +10,7 @@ from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.files import free_bytes
 from eagle3_core.preflight import conclude, disk_problem, engine_gpus, gpu_check, port_problem, server_gpus_source
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.server_defaults import concrete_server
 from eagle3_core.target.preflight import target_files_problems, tensor_parallel_problem
 
@@ -27,7 +28,7 @@ def preflight_sampling(
     free = free_bytes(out_dir)
     gpus = engine_gpus(config) if starts_engine else 0
     checks = {"disk_needed": needed, "disk_free": free, "gpus": gpus, "port": config.server.port}
-    problems = [disk_problem(out_dir, needed, free), *target_files_problems(target)]
+    problems = [disk_problem(out_dir, needed, free, RunLayout.of(config).kept_results), *target_files_problems(target)]
     if starts_engine:
         problems += [
             port_problem(config.server),

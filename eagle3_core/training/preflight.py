@@ -13,6 +13,7 @@ from eagle3_core.events import RunEvents
 from eagle3_core.files import free_bytes
 from eagle3_core.hidden_states.description import StatesDescription
 from eagle3_core.preflight import conclude, device_gpus, disk_problem, gpu_check
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.target.preflight import layer_problem, target_files_problems
 
 # fp32 weights plus AdamW's two moments per trainable parameter in one training state file.
@@ -82,7 +83,7 @@ def preflight_training(
     problems = [
         layers,
         architecture,
-        disk_problem(out_dir, needed, free),
+        disk_problem(out_dir, needed, free, RunLayout.of(config).kept_results),
         *target_files_problems(target),
         gpu_check(gpus, check_busy=False),
     ]

@@ -17,6 +17,7 @@ from eagle3_core.events import PREFLIGHT, WEIGHT_LOAD, RunEvents
 from eagle3_core.extraction.phase import extract_hidden_states
 from eagle3_core.extraction.preflight import preflight_extraction, sample_set_target_problems
 from eagle3_core.files import DiskFullError
+from eagle3_core.kept import set_aside
 from eagle3_core.preflight import (
     PreflightError,
     disk_problem,
@@ -25,6 +26,7 @@ from eagle3_core.preflight import (
     server_gpus,
     server_gpus_source,
 )
+from eagle3_core.run_layout import RunLayout
 from eagle3_core.sampling.preflight import preflight_sampling
 from eagle3_core.target.preflight import layer_problem, target_files_problems, tensor_parallel_problem
 from eagle3_core.target.prepare import describe_folder
@@ -44,6 +46,22 @@ def test_disk_problem_names_path_needed_and_free(tmp_path):
     assert disk_problem(tmp_path, 100, 100) is None
     problem = disk_problem(tmp_path, 2_000_000, 1_000)
     assert str(tmp_path) in problem and "2,000,000" in problem and "1,000" in problem
+    assert "holds" not in disk_problem(tmp_path, 2_000_000, 1_000, kept=tmp_path / "kept")  # nothing kept
+
+
+def test_a_disk_too_small_names_the_results_kept_of_other_settings(tmp_path, smollm2_target, target_copy):
+    """A changed extraction setting set the old states aside (never deleted): when the new ones do not fit,
+    the refusal says how much the kept ones hold and where, so the user can make the room."""
+    config = PipelineConfig(run_dir=tmp_path / "run", extraction={"backend": "hf"})
+    states = tmp_path / "run" / "hidden_states"
+    states.mkdir(parents=True)
+    (states / "shard-00000.safetensors").write_bytes(b"\0" * 5000)
+    (states / "extraction.key.json").write_text("{}")
+    set_aside(states, RunLayout.of(config).kept(states) / "0123456789abcdef", "extraction.key.json")
+    sample_set = build_sample_set(tmp_path / "samples", smollm2_target.root_path, num_ok=2)
+    with pytest.raises(PreflightError) as error:
+        preflight_extraction(config, sample_set, target_copy, states, [2, 4, 5], 10**18, False, RunEvents(tmp_path))
+    assert f"({tmp_path / 'run' / 'kept'} holds 5,002 bytes of other settings' results" in str(error.value)
 
 
 def test_an_edited_tokenizer_or_config_is_caught(target_copy):
