@@ -25,6 +25,7 @@ import pytest
 import torch
 import yaml
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 from prefect.settings import PREFECT_API_URL
 from safetensors.torch import load_file
 from training_flow import train_only
@@ -117,8 +118,11 @@ def test_two_gloo_ranks_train_from_the_flow_as_torchrun_by_hand_does(prefect_api
     assert trained["world"] == 2, "rank 0 trained in a world of two"
     logs = RunLayout.of(config).draft.launch / LOGS_DIR
     assert sorted(p.parent.name for p in logs.glob("*/attempt_0/*/stderr.log")) == ["0", "1"], "a log per rank"
-    with get_client(sync_client=True) as client:
-        steps = [a for a in client.read_artifacts() if a.key == "training-steps"]
+    with get_client(sync_client=True) as client:  # the session's server holds other tests' runs too
+        flow_run = ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])
+        steps = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["training-steps"]), flow_run_id=flow_run)
+        )
     assert steps and steps[0].data == 100, "rank 0's progress reached the task's progress artifact"
 
     by_hand = data.config("by-hand")
