@@ -1,6 +1,6 @@
-"""Prompt data as users have it, written to disk: a `datasets` folder as `Dataset.save_to_disk` lays one out
-(`data-00000-of-00001.arrow` in Arrow's IPC stream format, `dataset_info.json`, `state.json`; a DatasetDict
-adds `dataset_dict.json` and a folder per split), ShareGPT and OpenAI conversations, and tools."""
+"""Prompt data as users have it, written to disk: ShareGPT and OpenAI conversations, and tools; a folder
+written by `datasets`' own `save_to_disk` (a Dataset or a DatasetDict); `datasets`' own cache of a Hub dataset
+as a `load_dataset` leaves it. `datasets` is imported by the helpers that write with it, not with this module."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
+import pytest
 
 WEATHER_TOOL = {
     "type": "function",
@@ -55,29 +55,48 @@ def write_jsonl(path: Path, rows: list[Any]) -> Path:
 
 
 def save_to_disk(folder: Path, rows: list[dict[str, Any]]) -> Path:
-    """`datasets.Dataset.from_list(rows).save_to_disk(folder)`, written with pyarrow alone."""
-    folder.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pylist(rows)
-    name = "data-00000-of-00001.arrow"
-    with pa.OSFile(str(folder / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    (folder / "dataset_info.json").write_text(json.dumps({"citation": "", "description": "", "features": {}}))
-    state = {
-        "_data_files": [{"filename": name}],
-        "_fingerprint": "0123456789abcdef",
-        "_format_columns": None,
-        "_format_kwargs": {},
-        "_format_type": None,
-        "_output_all_columns": False,
-        "_split": None,
-    }
-    (folder / "state.json").write_text(json.dumps(state))
+    """`datasets.Dataset.from_list(rows).save_to_disk(folder)`."""
+    from datasets import Dataset
+
+    Dataset.from_list(rows).save_to_disk(str(folder))
     return folder
 
 
 def save_dict_to_disk(folder: Path, splits: dict[str, list[dict[str, Any]]]) -> Path:
     """`datasets.DatasetDict(...).save_to_disk(folder)`: a folder per split and `dataset_dict.json`."""
-    for split, rows in splits.items():
-        save_to_disk(folder / split, rows)
-    (folder / "dataset_dict.json").write_text(json.dumps({"splits": list(splits)}))
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({split: Dataset.from_list(rows) for split, rows in splits.items()}).save_to_disk(str(folder))
     return folder
+
+
+def use_datasets_cache(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
+    """Point `datasets` at its own cache `cache`, offline, in this process: the environment, and the settings
+    `datasets.config` read from it when it was imported."""
+    from datasets import config
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    monkeypatch.setattr(config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(config, "HF_HUB_OFFLINE", True)
+
+
+def prepare_as_loaded(cache: Path, repo_id: str, commit: str, repo: Path) -> None:
+    """`datasets`' own cache of Hub dataset `repo_id` at `commit`, as `load_dataset(repo_id)` leaves it: the
+    builder `datasets` makes of the repo's data files (read here from the folder `repo` instead of fetched),
+    prepared under the repo's name and the commit as its hash, in `org___name/<config>/<version>/<commit>`. A
+    builder given `repo_id` refuses files from outside the Hub, so it is prepared under the bare name and
+    moved under the namespace."""
+    from datasets.load import dataset_module_factory, get_dataset_builder_class
+
+    module = dataset_module_factory(str(repo))
+    kwargs = {key: value for key, value in module.builder_kwargs.items() if key != "dataset_name"}
+    namespace, name = repo_id.split("/")
+    builder_class = get_dataset_builder_class(module, dataset_name=name)
+    staging = cache.with_name(f"{cache.name}-staging")
+    builder = builder_class(cache_dir=str(staging), dataset_name=name, hash=commit, **kwargs)
+    builder.download_and_prepare()
+    prepared = Path(builder.cache_dir)
+    target = cache / f"{namespace}___{name}" / prepared.relative_to(staging / name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    prepared.rename(target)

@@ -42,6 +42,7 @@ def test_the_contracts_hold() -> None:
         ("tasks/gpu_slot/records.py", "from tasks.gpu_slot import leases", "no import loops"),
         ("eagle3_core/planning/plan.py", "import huggingface_hub", "what the target is is decided"),
         ("cli/main.py", "from huggingface_hub import snapshot_download", "what the target is is decided"),
+        ("eagle3_core/sampling/phase.py", "from datasets import load_dataset", "what the target is is decided"),
         ("eagle3_core/doctor.py", "from eagle3_core.server_defaults import resolve_server", "every auto is resolved"),
         ("flows/train_drafter.py", "from eagle3_core import server_defaults", "every auto is resolved"),
         ("eagle3_core/planning/estimate.py", "from eagle3_core.training import loop", "the planner reads and counts"),

@@ -1,6 +1,7 @@
 """What users' prompt data looks like, read into conversations: ShareGPT and OpenAI (tools, tool calls) rows,
-JSONL, JSON arrays, Parquet, `datasets` folders (a Dataset and a DatasetDict), Hub dataset ids from a real
-local Hub cache; bad rows named by file and row."""
+JSONL, JSON arrays, Parquet, folders written by `datasets` (a Dataset and a DatasetDict), Hub dataset ids
+offline from `datasets`' own cache and from a real huggingface_hub cache; bad rows named by file (or folder or
+Hub id and split) and row."""
 
 from __future__ import annotations
 
@@ -10,15 +11,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from eagle3_core.files import sha256_json
 from eagle3_core.sampling.prompt_sources import source_digest
 from eagle3_core.sampling.prompts import PromptFileError, demo_prompts_path, load_prompts
-from tests.helpers.hub_cache import add_commit, use_hub_cache
+from tests.helpers.hub_cache import add_commit, commit_sha, use_hub_cache
 from tests.helpers.prompt_data import (
     SHAREGPT_ROW,
     TOOL_ROW,
     WEATHER_TOOL,
+    prepare_as_loaded,
     save_dict_to_disk,
     save_to_disk,
+    use_datasets_cache,
     write_jsonl,
 )
 
@@ -76,12 +80,31 @@ def test_datasets_folder_and_dataset_dict(tmp_path):
     split = save_dict_to_disk(tmp_path / "dict", {"test": [{"prompt": "held"}], "train": [{"prompt": "train me"}]})
     (prompt,) = load_prompts([str(split)])
     assert prompt.messages == [{"role": "user", "content": "train me"}]
+    (prompt,) = load_prompts([str(split / "test")])  # a split's folder names the split
+    assert prompt.messages == [{"role": "user", "content": "held"}]
 
 
-def test_bad_row_in_a_datasets_folder_names_file_and_row(tmp_path):
-    folder = save_to_disk(tmp_path / "saved", [{"prompt": "fine"}, {"prompt": ""}])
-    with pytest.raises(PromptFileError, match=r"saved/data-00000-of-00001\.arrow: row 2: needs `messages`"):
+def test_datasets_folder_saved_with_a_format_reads_python_rows(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_list([{"prompt": "q", "turns": 1}]).with_format("numpy").save_to_disk(str(tmp_path / "np"))
+    (prompt,) = load_prompts([str(tmp_path / "np")])
+    assert prompt.messages == [{"role": "user", "content": "q"}]
+
+
+def test_dataset_dict_without_train_asks_for_a_split(tmp_path):
+    folder = save_dict_to_disk(tmp_path / "dict", {"test": [{"prompt": "a"}], "validation": [{"prompt": "b"}]})
+    with pytest.raises(PromptFileError, match=r"dict: splits \['test', 'validation'\] and none is `train`"):
         load_prompts([str(folder)])
+
+
+def test_bad_row_in_a_datasets_folder_names_folder_split_and_row(tmp_path):
+    folder = save_to_disk(tmp_path / "saved", [{"prompt": "fine"}, {"prompt": ""}])
+    with pytest.raises(PromptFileError, match=r"saved: row 2: needs `messages`"):
+        load_prompts([str(folder)])
+    split = save_dict_to_disk(tmp_path / "dict", {"train": [{"prompt": "fine"}, {"prompt": ""}]})
+    with pytest.raises(PromptFileError, match=r"dict\[train\]: row 2: needs `messages`"):
+        load_prompts([str(split)])
 
 
 def test_bad_rows_of_each_layout_name_file_and_row(tmp_path):
@@ -101,19 +124,54 @@ def test_bad_rows_of_each_layout_name_file_and_row(tmp_path):
         load_prompts([str(tmp_path / "empty")])
 
 
-def test_hub_dataset_id_reads_the_cached_snapshot_offline(tmp_path, monkeypatch):
-    data = tmp_path / "repo"
-    data.mkdir()
-    write_jsonl(data / "train.jsonl", [SHAREGPT_ROW])
-    write_jsonl(data / "test.jsonl", [{"prompt": "held out"}])
-    (data / "dataset_infos.json").write_text("{}")
-    cache = tmp_path / "hub"
-    use_hub_cache(monkeypatch, cache)
-    add_commit(cache, "org/chats", data, repo_type="dataset")
+def chats_repo(folder, rows):
+    """A dataset repo's files: a train and a test split as JSONL, of the same columns (`datasets` wants that);
+    the test split holds each row twice, so a read of it would show in the count."""
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", rows)
+    write_jsonl(folder / "test.jsonl", rows + rows)
+    return folder
+
+
+def test_hub_dataset_id_offline_from_the_datasets_cache_of_a_load(tmp_path, monkeypatch):
+    use_hub_cache(monkeypatch, tmp_path / "hub")  # huggingface_hub's cache holds nothing
+    use_datasets_cache(monkeypatch, tmp_path / "datasets")
+    commit = commit_sha("org/chats", None)
+    prepare_as_loaded(tmp_path / "datasets", "org/chats", commit, chats_repo(tmp_path / "chats", [SHAREGPT_ROW]))
     (prompt,) = load_prompts(["org/chats"])
     assert prompt.id == "share-1"
-    with pytest.raises(PromptFileError, match=r"org/other: neither a prompt file nor a Hub dataset in the local cache"):
+    assert source_digest("org/chats", demo_prompts_path()) == sha256_json(["org/chats", commit, ["train"]])
+    prepare_as_loaded(tmp_path / "datasets", "org/bad", commit, chats_repo(tmp_path / "bad", [{"n": 1}]))
+    with pytest.raises(PromptFileError, match=r"org/bad\[train\]: row 1: needs `messages`"):
+        load_prompts(["org/bad"])
+
+
+def test_hub_dataset_id_offline_from_a_downloaded_snapshot(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    use_hub_cache(monkeypatch, cache)
+    use_datasets_cache(monkeypatch, tmp_path / "datasets")  # `datasets` never prepared it
+    add_commit(cache, "org/chats", chats_repo(tmp_path / "repo", [SHAREGPT_ROW]), repo_type="dataset")
+    (prompt,) = load_prompts(["org/chats"])
+    assert prompt.id == "share-1"
+    with pytest.raises(PromptFileError) as error:
         load_prompts(["org/other"])
+    assert str(error.value).startswith("org/other: neither a prompt file nor a Hub dataset in the local caches")
+    assert str(tmp_path / "datasets") in str(error.value) and "\n" not in str(error.value)
+
+
+def test_pinned_revision_offline_is_read_from_its_snapshot_where_datasets_holds_another(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    use_hub_cache(monkeypatch, cache)
+    use_datasets_cache(monkeypatch, tmp_path / "datasets")
+    old = add_commit(cache, "org/chats", chats_repo(tmp_path / "old", [{"prompt": "old"}]), repo_type="dataset")
+    new_repo = chats_repo(tmp_path / "new", [{"prompt": "new"}])
+    new = add_commit(cache, "org/chats", new_repo, repo_type="dataset")
+    prepare_as_loaded(tmp_path / "datasets", "org/chats", new, new_repo)
+    for source, content in (("org/chats", "new"), (f"org/chats@{new}", "new"), (f"org/chats@{old}", "old")):
+        (prompt,) = load_prompts([source])
+        assert prompt.messages == [{"role": "user", "content": content}]
+    digests = [source_digest(s, demo_prompts_path()) for s in ("org/chats", f"org/chats@{new}", f"org/chats@{old}")]
+    assert digests[0] == digests[1] != digests[2]
 
 
 def test_source_digest_follows_content(tmp_path):
@@ -121,4 +179,6 @@ def test_source_digest_follows_content(tmp_path):
     before = source_digest(str(folder), demo_prompts_path())
     save_to_disk(folder, [{"prompt": "b"}])
     assert source_digest(str(folder), demo_prompts_path()) != before
+    split = save_dict_to_disk(tmp_path / "dict", {"train": [{"prompt": "a"}], "test": [{"prompt": "b"}]})
+    assert source_digest(str(split), demo_prompts_path()) == source_digest(str(split / "train"), demo_prompts_path())
     assert source_digest(str(tmp_path / "gone.jsonl"), demo_prompts_path()) == "missing"
