@@ -28,6 +28,12 @@
 #                                   `eagle3 doctor`, `eagle3 plan`, then the demo flow (configs/demo.yaml, every
 #                                   `auto` as it ships), and the plan's bytes and steps beside the run's
 #                                   (bench/gpu/hub_plan.py); hub-*.txt/json/md in the output
+#   bash bench/gpu/h200.sh turns    (issue 55) bench/turns_by_position.py: HumanEval made into three-turn
+#                                   conversations, trained with sampling.turns last and all at the same compute
+#                                   (400 steps each), then each draft served at k=3 and the 32 held-out
+#                                   conversations replayed turn by turn: τ per turn position. Two calls: repeat
+#                                   it, it resumes in $T/turns (TURNS_ARGS="--steps 300" etc. change the run,
+#                                   then with a fresh $T/turns); turns.json and turns.md in the output
 # On nvidia-h200-x2 (issue 29; staged with --moe):
 #   bash bench/gpu/h200.sh pair       DDP throughput (one GPU, then both), then the SmolLM2 flow's training on
 #                                     both GPUs (training.processes auto) against two hand-run `torchrun
@@ -208,6 +214,21 @@ case ${1:-} in
       tee "$OUT/hub-run.log" | grep -v " | DEBUG" | tail -30
     timed python3 -m bench.gpu.hub_plan compare "$OUT/hub-plan.json" "$T/run-hub" | tee "$OUT/hub-measured.json"
     cp "$T/run-hub/events.jsonl" "$OUT/hub-events.jsonl" 2>/dev/null
+    ;;
+  turns)
+    # The embedded target, configs/demo.yaml as bench/turns_by_position.py sets it, and: no flashinfer (the staged
+    # vLLM has none); float32, so greedy with either draft is the target's own greedy and both modes are asked
+    # the same served histories; no CUDA graphs (four engine starts, each shorter for it; τ does not depend on it).
+    timed python3 -m bench.gpu.device install || exit 1
+    eagle3_on_path
+    export HF_HUB_OFFLINE=1
+    read -ra TURNS_ARGS <<<"${TURNS_ARGS:-}"
+    timed timeout -s TERM -k 20 $((END - SECONDS - 30)) python3 bench/turns_by_position.py --work "$T/turns" \
+      --set "target.cache_dir=$T/cache" --set 'server.env={"VLLM_USE_FLASHINFER_SAMPLER": "0"}' \
+      --set server.dtype=float32 --set server.enforce_eager=true --set sampling.concurrency=64 \
+      "${TURNS_ARGS[@]}" "${EXTRA[@]}" 2>&1 | grep -v " | DEBUG" | tail -60
+    cp "$T/turns/turns.json" "$T/turns/turns.md" "$OUT/" 2>/dev/null
+    tail -n 30 "$T"/turns/*.log "$T"/turns/*/server/*.log >"$OUT/turns-log-tails.txt" 2>/dev/null
     ;;
   kimi)
     timed python3 -m bench.gpu.device install || exit 1

@@ -6,6 +6,7 @@ import pytest
 
 from eagle3_core.evaluation.stats import AcceptanceStats
 from eagle3_core.evaluation.vllm_measure import parse_prometheus, spec_counters
+from tests.helpers.vllm_metrics import scrape
 
 SCRAPE = """\
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -22,19 +23,6 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/m/smo
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/m/smol",position="2"} 10.0
 vllm:generation_tokens_total{engine="0",model_name="/m/smol"} 1234.0
 """
-
-
-def scrape(drafts: float, per_pos: list[float]) -> str:
-    lines = [
-        f'vllm:spec_decode_num_drafts_total{{engine="0"}} {drafts}',
-        f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {drafts * len(per_pos)}',
-        f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {sum(per_pos)}',
-    ]
-    lines += [
-        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} {v}'
-        for i, v in enumerate(per_pos)
-    ]
-    return "\n".join(lines)
 
 
 def test_parse_prometheus_reads_labels_and_values() -> None:
