@@ -373,10 +373,11 @@ class SamplingConfig(Section):
         json_schema_extra=added_content("sampling"),
     )
     turns: Literal["last", "all"] = Field(
-        "last",
-        description="last: the target answers a conversation's last assistant turn, earlier ones kept as given; all: "
-        "it answers every assistant turn in order, each answer the history of the next, the loss on all of them.",
-        json_schema_extra=added_content("sampling"),
+        "all",
+        description="all: the target answers every assistant turn in order, each answer the history of the next, the "
+        "loss on all of them (served τ 1.13-1.17x last's on multi-turn chats, bench/RESULTS.md); last: only the last "
+        "assistant turn, earlier ones kept as given. Single-turn prompts: the same rows either way.",
+        json_schema_extra=added_content("sampling", first_default="last"),
     )
     request_timeout_s: float = Field(
         600,

@@ -34,6 +34,11 @@ def turn_positions(messages: list[Message], turns: Turns) -> list[int]:
     return [i for i, m in enumerate(messages) if m["role"] == "assistant"] + end
 
 
+def answers_several_turns(messages: list[Message]) -> bool:
+    """Whether `sampling.turns` matters to this conversation: `all` answers more turns of it than `last`."""
+    return len(turn_positions(messages, "all")) > 1
+
+
 def answer_message(answer: Answer) -> Message:
     """The target's answer as the next turn's history holds it, as a client sends an answer back: its text,
     its tool calls, and its reasoning (vLLM's field for interleaved thinking)."""

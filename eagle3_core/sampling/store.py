@@ -38,6 +38,7 @@ from eagle3_core.hosts import check_each_once, every_slice
 from eagle3_core.kept import key_id, switch_key
 from eagle3_core.phases import SAMPLING, phase_key
 from eagle3_core.run_layout import RunLayout
+from eagle3_core.sampling.conversations import answers_several_turns
 from eagle3_core.sampling.prompts import Prompt, load_prompts
 from eagle3_core.sampling.table import read_part, sample_id, write_part
 
@@ -50,10 +51,13 @@ RETIRED_FIELDS = {"server": ("url",)}
 
 def run_key(config: PipelineConfig, target: TargetModel, prompts: list[Prompt]) -> dict[str, Any]:
     """The fields marked content for sampling (what a row holds; concurrency, timeouts and part size only
-    change how rows are made), the target and tokenizer, and the digest of the prompt set. The serving dtype
-    is the resolved one (`auto` -> float32 or bfloat16 on this host): greedy completions differ between
-    dtypes, so rows of another dtype are not mixed in; None for an external server (its dtype is its own)."""
+    change how rows are made), the target and tokenizer, and the digest of the prompt set; `sampling.turns`
+    only where a prompt has an assistant turn before its last (else `last` and `all` make the same rows). The
+    serving dtype is the resolved one (`auto` -> float32 or bfloat16 on this host): greedy completions differ
+    between dtypes, so rows of another dtype are not mixed in; None for an external server (its own dtype)."""
     key = phase_key(config, SAMPLING)
+    if not any(answers_several_turns(p.messages) for p in prompts):
+        key["sampling"].pop("turns", None)  # the same rows either way: runs of either setting are one cache
     if config.server.engine != "vllm":
         key["server"]["dtype"] = None
     return {

@@ -119,8 +119,8 @@ def test_last_answers_only_the_final_turn_and_a_closing_assistant_turn_is_answer
     tmp_path, turn_server, smollm2_target
 ):
     closed = {"id": "closed", "messages": [*THREE_TURNS["messages"], {"role": "assistant", "content": "GIVEN 3"}]}
-    sample_set = sampling.sample_prompts(config_for(tmp_path, [closed]), smollm2_target, RunEvents(tmp_path / "run"),
-                                         server=turn_server)  # fmt: skip
+    config = config_for(tmp_path, [closed], turns="last")
+    sample_set = sampling.sample_prompts(config, smollm2_target, RunEvents(tmp_path / "run"), server=turn_server)
     (body,) = TurnServer.bodies
     assert [m["content"] for m in body["messages"]] == ["first", "GIVEN one", "second", "GIVEN two", "third"]
     (row,) = iter_rows(sample_set)
@@ -128,6 +128,25 @@ def test_last_answers_only_the_final_turn_and_a_closing_assistant_turn_is_answer
     tokens = ChatTokenizer(smollm2_target.root)
     trained = tokens.tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m])
     assert trained == row["response"] + "<|im_end|>\n"
+
+
+@pytest.mark.parametrize(
+    ("rows", "resampled"),
+    [([{"id": "q", "messages": [{"role": "user", "content": "only"}]}], 0), ([THREE_TURNS], 3)],
+    ids=["single-turn prompts: the rows of last are all's", "a conversation: all answers its 3 turns anew"],
+)
+def test_the_default_all_reuses_the_rows_of_last_where_they_are_the_same(
+    tmp_path, turn_server, smollm2_target, rows, resampled
+):
+    """Runs sampled at the old default `last` keep their rows under the new default `all` where `all` would
+    make the same rows (no prompt has an assistant turn before its last); a conversation is sampled again, and
+    its rows of `last` are kept aside, not taken for `all`'s."""
+    events = RunEvents(tmp_path / "run")
+    sampling.sample_prompts(config_for(tmp_path, rows, turns="last"), smollm2_target, events, server=turn_server)
+    asked = len(TurnServer.bodies)
+    assert PipelineConfig().sampling.turns == "all"
+    sampling.sample_prompts(config_for(tmp_path, rows), smollm2_target, events, server=turn_server)
+    assert len(TurnServer.bodies) - asked == resampled
 
 
 def test_a_run_stopped_mid_conversation_resumes_at_its_turn(tmp_path, turn_server, smollm2_target):
