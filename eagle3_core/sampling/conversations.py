@@ -39,6 +39,14 @@ def answers_several_turns(messages: list[Message]) -> bool:
     return len(turn_positions(messages, "all")) > 1
 
 
+def asked_for(messages: list[Message], turns: Turns) -> list[Message]:
+    """What a conversation's row depends on: the messages before its last answered turn, of which `all` keeps
+    only those it does not answer itself (a row holds the history its last turn was asked with: under `all`,
+    the target's answers in the given assistant turns' places)."""
+    asked = messages[: turn_positions(messages, turns)[-1]]
+    return [m for m in asked if m["role"] != "assistant"] if turns == "all" else asked
+
+
 def answer_message(answer: Answer) -> Message:
     """The target's answer as the next turn's history holds it, as a client sends an answer back: its text,
     its tool calls, and its reasoning (vLLM's field for interleaved thinking)."""

@@ -38,7 +38,7 @@ from eagle3_core.hosts import check_each_once, every_slice
 from eagle3_core.kept import key_id, switch_key
 from eagle3_core.phases import SAMPLING, phase_key
 from eagle3_core.run_layout import RunLayout
-from eagle3_core.sampling.conversations import answers_several_turns
+from eagle3_core.sampling.conversations import Turns, answers_several_turns, asked_for
 from eagle3_core.sampling.prompts import Prompt, load_prompts
 from eagle3_core.sampling.table import read_part, sample_id, write_part
 
@@ -183,10 +183,12 @@ def stored_messages(parts: list[Path], ids: set[str]) -> dict[str, Any]:
     return found
 
 
-def edited_ids(parts: list[Path], prompts: list[Prompt], responses: int) -> set[str]:
-    """Sample ids whose row in `parts` was sampled for other messages than the prompt now under that id."""
-    wanted = {sample_id(p.id, r): p.messages for p in prompts for r in range(responses)}
-    return {sid for sid, messages in stored_messages(parts, set(wanted)).items() if messages != wanted[sid]}
+def edited_ids(parts: list[Path], prompts: list[Prompt], responses: int, turns: Turns) -> set[str]:
+    """Sample ids whose row in `parts` was sampled for other messages than the prompt now under that id asks
+    for (`asked_for`: a row stores the history its last turn was asked with, not the prompt as given)."""
+    wanted = {sample_id(p.id, r): asked_for(p.messages, turns) for p in prompts for r in range(responses)}
+    stored = stored_messages(parts, set(wanted))
+    return {sid for sid, messages in stored.items() if asked_for(messages, turns) != wanted[sid]}
 
 
 class SampleStore:
@@ -204,6 +206,7 @@ class SampleStore:
         self.out_dir, self.key, self.events, self.phase = out_dir, key, events, phase
         self.kept_root = kept_root or out_dir.parent / "kept" / out_dir.name
         self.responses = responses_per_prompt(key)
+        self.turns: Turns = key.get("sampling", {}).get("turns", "last")  # keyed only where it changes rows
 
     @classmethod
     def of_run(
@@ -247,7 +250,7 @@ class SampleStore:
         if sample_set.error or not key_matches(sample_set.config, self.key, self.events, phase):
             return None
         parts = [sample_set.path_of(record.path) for record in sample_set.files]
-        if prompts is not None and (edited := edited_ids(parts, prompts, self.responses)):
+        if prompts is not None and (edited := edited_ids(parts, prompts, self.responses, self.turns)):
             self.events.record(phase, DECISION, f"{len(edited)} prompts edited under the same id: sampling them again")
             return None
         self.events.record(phase, CACHE_HIT, f"{sample_set.ok} samples at {out_dir} reused", digest=sample_set.digest)
@@ -277,7 +280,7 @@ class SampleStore:
         for part in parts:
             table = pq.read_table(part, columns=["id", "status"]).to_pydict()
             ok.update(i for i, status in zip(table["id"], table["status"], strict=True) if status == "ok")
-        return ok - edited_ids(parts, prompts, self.responses) if prompts is not None else ok
+        return ok - edited_ids(parts, prompts, self.responses, self.turns) if prompts is not None else ok
 
     def resume(self, wanted: set[str], prompts: list[Prompt] | None = None) -> set[str]:
         """Keep every ok row (once) in the parts, rewriting parts atomically, and return the ids of those
@@ -287,7 +290,7 @@ class SampleStore:
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_dead_temps(out_dir)
         parts = sorted(out_dir.glob(PART_GLOB))
-        edited = edited_ids(parts, prompts, self.responses) if prompts is not None else set()
+        edited = edited_ids(parts, prompts, self.responses, self.turns) if prompts is not None else set()
         write_text_atomic(out_dir / KEY_FILE, json.dumps(row_key(self.key), sort_keys=True))
         (out_dir / f"{SampleSet.kind}.json").unlink(missing_ok=True)
         seen: set[str] = set()

@@ -149,6 +149,23 @@ def test_the_default_all_reuses_the_rows_of_last_where_they_are_the_same(
     assert len(TurnServer.bodies) - asked == resampled
 
 
+def test_a_grown_prompt_set_samples_only_its_new_prompts_and_an_edited_turn_again(
+    tmp_path, turn_server, smollm2_target
+):
+    """A conversation's row holds the history its last turn was asked with (the target's answers in place of
+    the given ones), not the prompt as given: a larger prompt set (the nightly flow's) keeps it, an edited user
+    turn samples it again."""
+    events = RunEvents(tmp_path / "run")
+    sampling.sample_prompts(config_for(tmp_path, [THREE_TURNS]), smollm2_target, events, server=turn_server)
+    new = {"id": "new", "messages": [{"role": "user", "content": "fourth"}]}
+    sampling.sample_prompts(config_for(tmp_path, [THREE_TURNS, new]), smollm2_target, events, server=turn_server)
+    assert len(TurnServer.bodies) == 3 + 1
+    edited = {"id": "chat", "messages": [*THREE_TURNS["messages"][:2], {"role": "user", "content": "SECOND"},
+                                         *THREE_TURNS["messages"][3:]]}  # fmt: skip
+    sampling.sample_prompts(config_for(tmp_path, [edited, new]), smollm2_target, events, server=turn_server)
+    assert len(TurnServer.bodies) == 4 + 3
+
+
 def test_a_run_stopped_mid_conversation_resumes_at_its_turn(tmp_path, turn_server, smollm2_target):
     config = config_for(tmp_path, [THREE_TURNS, SHAREGPT_ROW], turns="all")
     TurnServer.dead = {"third"}
