@@ -48,14 +48,24 @@ def reference(tmp_path_factory, served, smollm2_target):
     return sample_prompts(config, smollm2_target, RunEvents(config.run_dir), server=server)
 
 
+def last_answer_start(loss_mask: list[int]) -> int:
+    """Where a row's last answer starts: what comes before is the prompt of its last request, `row["messages"]`
+    as the server renders it (under `sampling.turns: all` the earlier answers, under the loss, are part of it)."""
+    start = len(loss_mask) - loss_mask[::-1].index(1)
+    while loss_mask[start - 1] == 1:
+        start -= 1
+    return start
+
+
 def test_32_prompts_accounted_and_prompt_tokens_equal_the_servers(server, reference):
     assert (reference.prompts, reference.ok, reference.error, reference.skipped) == (32, 32, 0, 0)
     rows = list(iter_rows(reference))
     assert len({r["id"] for r in rows}) == 32
+    assert any(r["turns"] > 1 for r in rows), "a conversation of the demo set, answered turn by turn, among them"
     model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
     for row in rows:
         assert row["response"].strip() and row["finish_reason"] in ("stop", "length")
-        prompt_length = row["loss_mask"].index(1)
+        prompt_length = last_answer_start(row["loss_mask"])
         served = httpx.post(
             f"{server.base_url}/tokenize",
             json={"model": model, "messages": row["messages"], "add_generation_prompt": True},
@@ -78,7 +88,7 @@ def test_completion_tokens_are_the_generated_ones(server, reference):
             timeout=300,
         ).json()  # fmt: skip
         generated = answer["choices"][0]["token_ids"]
-        prompt_length = row["loss_mask"].index(1)
+        prompt_length = last_answer_start(row["loss_mask"])
         assert answer["prompt_token_ids"] == row["input_ids"][:prompt_length]
         assert row["input_ids"][prompt_length : prompt_length + len(generated)] == generated
 
