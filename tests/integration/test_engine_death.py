@@ -36,9 +36,11 @@ from tests.helpers.served_targets import pinned_dtypes
 pytestmark = pytest.mark.slow
 
 PROMPTS = 24
+# One request a prompt (`sampling.turns: last`), so the new engine's access log counts the missing prompts;
+# a conversation killed mid-way resuming at its turn is test_conversations_vllm's.
 SMALL = {
     "sampling": {"max_prompts": PROMPTS, "max_tokens": 32, "holdout_fraction": 0.25, "concurrency": 4,
-                 "rows_per_part": 4},
+                 "rows_per_part": 4, "turns": "last"},
     "extraction": {"samples_per_shard": 4, "concurrency": 4},
     "orchestration": {"retries": 1, "retry_delay_s": 1},
 }  # fmt: skip

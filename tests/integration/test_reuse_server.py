@@ -39,8 +39,11 @@ PROMPTS = 12
 NEW_PROMPTS = 2
 STOP_AFTER_EXTRACTION = "vocab:start"
 AGREEMENT = 0.999
+# One request a prompt (`sampling.turns: last`): the demo set's first conversation is prompt 13, and growing
+# the set past it under `all` would key `turns` and sample all 14 again (docs/your-model.md); turn-by-turn
+# sampling on a shared or killed engine is test_conversations_vllm's.
 SMALL = {
-    "sampling": {"max_prompts": PROMPTS, "max_tokens": 32, "holdout_fraction": 0.25, "concurrency": 8},
+    "sampling": {"max_prompts": PROMPTS, "max_tokens": 32, "holdout_fraction": 0.25, "concurrency": 8, "turns": "last"},
     "extraction": {"samples_per_shard": 2, "concurrency": 4},
     "orchestration": {"retries": 0},
 }
