@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from prefect import flow, task
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 from prefect.settings import PREFECT_API_URL
 
 from eagle3_core.artifacts import (
@@ -323,12 +324,16 @@ def test_progress_artifacts_are_throttled_and_finish_at_100():
     def reporting_flow() -> None:
         reporting_task()
 
-    reporting_flow()
+    state = reporting_flow(return_state=True)
     assert sent == [1, 50]
-    with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts()
-    progress = [a for a in artifacts if a.key == artifact_key("sampling", "requests")]
-    assert progress and progress[0].type == "progress" and progress[0].data == 100.0
+    with get_client(sync_client=True) as client:  # the session's server holds other tests' flow runs too
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[artifact_key("sampling", "requests")]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]),
+            )
+        )
+    assert artifacts and artifacts[0].type == "progress" and artifacts[0].data == 100.0
 
 
 def test_the_training_task_publishes_the_training_curves(config, tmp_path, monkeypatch):
