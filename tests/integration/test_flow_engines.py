@@ -2,7 +2,8 @@
 - a run terminated during sampling (SIGTERM, what a process worker sends to cancel a flow run) leaves no
   vLLM process alive, and Prefect records the run as Crashed;
 - two flows started at once never both hold `gpu`: their engines' lifetimes never overlap;
-- a second `eagle3 run` or an `eagle3 sample` on a running run's folder is refused and harms nothing."""
+- a second `eagle3 run` or an `eagle3 sample` on a running run's folder (one of those two) is refused and
+  harms nothing."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -114,21 +116,65 @@ def engine_lifetimes(run_dir: Path) -> list[tuple[float, float]]:
     return list(zip(starts, stops, strict=True))
 
 
-def test_two_flows_never_hold_gpu_together(prefect_env: dict, tmp_path: Path):
-    env = {**prefect_env, ENV: "extraction:start"}  # each flow samples, then stops before extraction
-    runs = []
-    for name in ("first", "second"):
-        config, _ = write_config(tmp_path, name, max_prompts=8, max_tokens=32)
-        runs.append(subprocess.Popen([*EAGLE3, "run", "-c", str(config)], cwd=REPO, env=env))
+@dataclass(frozen=True)
+class TwoFlows:
+    """Two `eagle3 run` started at once, each sampling and then stopped by an injected extraction fault, and what
+    a second `eagle3 run` and an `eagle3 sample` on the first one's run folder answered while its engine sampled."""
+
+    root: Path
+    first_config: Path
+    first_pid: int
+    codes: list[int]
+    refusals: dict[str, subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(scope="module")
+def two_flows(prefect_env: dict, tmp_path_factory: pytest.TempPathFactory) -> TwoFlows:
+    """One pair of flows for both tests below (their engine starts are the module's longest wait). The refusals
+    go to the first run's folder once its engine is loaded: 16 prompts of 64 tokens keep it sampling through both
+    commands, whichever of the two flows took `gpu` first."""
+    root = tmp_path_factory.mktemp("two-flows")
+    env = {**prefect_env, ENV: "extraction:start"}
+    configs = [write_config(root, "first", max_prompts=16, max_tokens=64)[0],
+               write_config(root, "second", max_prompts=8, max_tokens=32)[0]]  # fmt: skip
+    runs = [subprocess.Popen([*EAGLE3, "run", "-c", str(config)], cwd=REPO, env=env) for config in configs]
+    refusals = {}
     try:
+        events = RunEvents(root / "first")
+        wait_for(lambda: events.count(WEIGHT_LOAD, "sampling") == 1, 900, "the first run's sampling engine")
+        for command in ("run", "sample"):
+            refusals[command] = subprocess.run([*EAGLE3, command, "-c", str(configs[0])], cwd=REPO, env=env,
+                                               capture_output=True, text=True, timeout=300)  # fmt: skip
         codes = [run.wait(timeout=900) for run in runs]
     finally:
         for run in runs:
             if run.poll() is None:
                 run.kill()
-    assert codes[0] != 0 and codes[1] != 0, "both flows must stop at the injected extraction fault"
-    (a_start, a_stop), (b_start, b_stop) = (engine_lifetimes(tmp_path / n)[0] for n in ("first", "second"))
+    return TwoFlows(root, configs[0], runs[0].pid, codes, refusals)
+
+
+def test_two_flows_never_hold_gpu_together(two_flows: TwoFlows):
+    assert two_flows.codes[0] != 0 and two_flows.codes[1] != 0, "both flows must stop at the injected fault"
+    (a_start, a_stop), (b_start, b_stop) = (engine_lifetimes(two_flows.root / n)[0] for n in ("first", "second"))
     assert a_stop <= b_start or b_stop <= a_start, "two engines ran at once"
+
+
+def test_a_second_run_and_a_sample_on_a_running_runs_folder_are_refused_and_the_first_is_unharmed(
+    two_flows: TwoFlows,
+):
+    """The second `eagle3 run` and an `eagle3 sample` on the run folder of a run mid-sampling end with one error
+    line naming the first run's pid and command; the first run's engine is never touched: its sampling ends
+    with every row ok, its own engine stop the only one."""
+    run_dir = two_flows.root / "first"
+    for second in two_flows.refusals.values():
+        line = " ".join(second.stdout.split())
+        assert second.returncode == 1 and line.startswith(
+            f"error: run_dir {run_dir} is in use by pid {two_flows.first_pid}"
+        )
+        assert f" run -c {two_flows.first_config}`" in line and "Traceback" not in second.stdout + second.stderr
+    assert RunEvents(run_dir).count(ENGINE_STOP, "sampling") == 1 and len(engine_pids(run_dir)) == 1
+    samples = SampleSet.load(run_dir / "samples")
+    assert samples.ok > 0 and samples.error == 0, "the first run's sampling was harmed"
 
 
 def test_prefect_flow_run_retry_resumes_a_failed_run(prefect_env: dict, tmp_path: Path):
@@ -152,30 +198,3 @@ def test_prefect_flow_run_retry_resumes_a_failed_run(prefect_env: dict, tmp_path
     assert ("extraction", "Failed") in states
     assert retried.state.name == "Failed" and "extraction at start" in retried.state.message
     assert RunEvents(run_dir).count(WEIGHT_LOAD, "sampling") == 1
-
-
-def test_a_second_run_and_a_sample_on_a_running_runs_folder_are_refused_and_the_first_is_unharmed(
-    prefect_env: dict, tmp_path: Path
-):
-    """The second `eagle3 run` and an `eagle3 sample` on the run folder of a run mid-sampling end with one error
-    line naming the first run's pid and command; the first run's engine is never touched: its sampling ends
-    with every row ok, its own engine stop the only one."""
-    env = {**prefect_env, ENV: "extraction:start"}  # the first run stops after sampling
-    config, run_dir = write_config(tmp_path, "first", max_prompts=16, max_tokens=64)
-    first = subprocess.Popen([*EAGLE3, "run", "-c", str(config)], cwd=REPO, env=env)
-    try:
-        events = RunEvents(run_dir)
-        wait_for(lambda: events.count(WEIGHT_LOAD, "sampling") == 1, 600, "the first run's sampling engine")
-        for command in ("run", "sample"):
-            second = subprocess.run([*EAGLE3, command, "-c", str(config)], cwd=REPO, env=env, capture_output=True,
-                                    text=True, timeout=300)  # fmt: skip
-            line = " ".join(second.stdout.split())
-            assert second.returncode == 1 and line.startswith(f"error: run_dir {run_dir} is in use by pid {first.pid}")
-            assert f" run -c {config}`" in line and "Traceback" not in second.stdout + second.stderr
-        assert first.wait(timeout=900) != 0, "the first run stops at the injected extraction fault"
-    finally:
-        if first.poll() is None:
-            first.kill()
-    assert RunEvents(run_dir).count(ENGINE_STOP, "sampling") == 1 and len(engine_pids(run_dir)) == 1
-    samples = SampleSet.load(run_dir / "samples")
-    assert samples.ok > 0 and samples.error == 0, "the first run's sampling was harmed"

