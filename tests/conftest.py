@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prefect.settings import PREFECT_API_URL
 from prefect.testing.utilities import prefect_test_harness
 
 from eagle3_core.artifacts import TargetModel
@@ -124,6 +125,12 @@ def prefect_api():
     artifacts) starts a harness of its own instead."""
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def prefect_env(prefect_api) -> dict[str, str]:
+    """The environment of an `eagle3 run` subprocess on the session's Prefect API (it starts no server of its own)."""
+    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ and compared.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,7 +21,6 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from prefect.settings import PREFECT_API_URL
 
 from eagle3_core.artifacts import EvalReport, SampleSet
 from eagle3_core.config import PipelineConfig, ServerConfig
@@ -130,7 +128,7 @@ def test_three_user_turns_answered_in_order_and_resumed_at_the_turn_after_a_kill
 
 @pytest.mark.timeout(1800)
 def test_sharegpt_openai_tools_and_a_datasets_folder_through_the_demo_flow(
-    prefect_api, served, smollm2_target, tmp_path
+    prefect_env, served, smollm2_target, tmp_path
 ):
     engine = served.get(smollm2_target, ServerConfig(**FLOAT32))
     sharegpt = write_jsonl(tmp_path / "sharegpt.jsonl", [SHAREGPT_ROW] + [
@@ -157,9 +155,8 @@ def test_sharegpt_openai_tools_and_a_datasets_folder_through_the_demo_flow(
     config["run_dir"] = str(tmp_path / "run")
     path = tmp_path / "sources.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-    result = subprocess.run([*EAGLE3, "run", "-c", str(path)], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=1500)  # fmt: skip
+    result = subprocess.run([*EAGLE3, "run", "-c", str(path)], cwd=REPO, env=prefect_env, capture_output=True,
+                            text=True, timeout=1500)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     run_dir = tmp_path / "run"

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -21,7 +20,6 @@ import yaml
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import FlowRun
-from prefect.settings import PREFECT_API_URL
 
 from eagle3_core.artifacts import SampleSet
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, WEIGHT_LOAD, RunEvents
@@ -33,12 +31,6 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 # The `eagle3` console script, run as `python -m cli` so it is this checkout's even before a reinstall.
 EAGLE3 = [sys.executable, "-m", "cli"]
-
-
-@pytest.fixture(scope="module")
-def prefect_env(prefect_api) -> dict[str, str]:
-    """The environment of an `eagle3 run` on the session's Prefect API."""
-    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
 
 
 def write_config(tmp_path: Path, name: str, max_prompts: int, max_tokens: int) -> tuple[Path, Path]:

@@ -20,7 +20,6 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from prefect.settings import PREFECT_API_URL
 
 from eagle3_core.artifacts import DraftCheckpoint, EvalReport, HiddenStateSet
 from eagle3_core.config import load_config
@@ -78,14 +77,14 @@ class DiskWatch:
 
 
 @pytest.fixture(scope="module")
-def root(prefect_api, tmp_path_factory) -> Path:
+def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("online")
     demo_config(root)
     return root
 
 
-def start(root: Path, name: str) -> subprocess.Popen:
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
+def start(root: Path, name: str, prefect_env: dict[str, str]) -> subprocess.Popen:
+    env = {**prefect_env, "PYTHONPATH": str(REPO)}
     log = open(root / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
     command = [EAGLE3, "run", "-c", str(root / "config.yaml"), "--set", "training.data=online"]
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=log)
@@ -109,10 +108,10 @@ def run_dir_processes(run_dir: Path) -> list[psutil.Process]:
     return left
 
 
-def test_a_run_killed_mid_training_leaves_no_states_and_no_engine(root: Path) -> None:
+def test_a_run_killed_mid_training_leaves_no_states_and_no_engine(root: Path, prefect_env: dict) -> None:
     layout = RunLayout.of(load_config(root / "config.yaml"))
     watch = DiskWatch(layout.incoming_states)
-    run = start(root, "killed")
+    run = start(root, "killed", prefect_env)
     deadline = time.monotonic() + 1500
     try:
         while not list(layout.draft.state.glob("step-*.pt")):
@@ -134,11 +133,11 @@ def test_a_run_killed_mid_training_leaves_no_states_and_no_engine(root: Path) ->
     (root / "peak-killed.txt").write_text(f"{watch.files} {watch.bytes}")
 
 
-def test_the_resumed_run_trains_online_from_the_checkpoint_and_evaluates(root: Path) -> None:
+def test_the_resumed_run_trains_online_from_the_checkpoint_and_evaluates(root: Path, prefect_env: dict) -> None:
     layout = RunLayout.of(load_config(root / "config.yaml"))
     started = time.time()
     watch = DiskWatch(layout.incoming_states)
-    run = start(root, "resumed")
+    run = start(root, "resumed", prefect_env)
     assert run.wait(timeout=1500) == 0, (root / "resumed.log").read_text()[-3000:]
     watch.stop()
     events = [e for e in RunEvents(layout.root).read() if e["ts"] >= started]
