@@ -29,6 +29,10 @@ from eagle3_core.run_layout import RunLayout
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_COMMAND = "make demo"
+# Seconds a make command of the checkout may take. A test reading `demo_run` may wait that long in its setup
+# (the first reader of any worker builds it), on top of pytest-timeout's 1,800 s for the test itself.
+MAKE_TIMEOUT_S = 2400
+READS_DEMO = pytest.mark.timeout(MAKE_TIMEOUT_S + 1800)
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class DemoRun:
 def run_make(command: str, config: Path) -> subprocess.CompletedProcess[str]:
     """A make command of the checkout with DEMO_CONFIG pointing at `config`, as a user types it."""
     return subprocess.run([*command.split(), f"DEMO_CONFIG={config}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=2400)  # fmt: skip
+                          timeout=MAKE_TIMEOUT_S)  # fmt: skip
 
 
 def demo_config(folder: Path) -> Path:

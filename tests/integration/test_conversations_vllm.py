@@ -3,7 +3,8 @@ and compared.
 
 1. SmolLM2 with a tool template (tests/helpers/tool_template.py), served with vLLM's `hermes` tool-call
    parser: a conversation of three user turns and tools, `sampling.turns: all`. `eagle3 sample` is SIGKILLed
-   once the first answer is in the turn log; the re-run resumes at the turn it stopped at, and each answer
+   while its second turn is asked (a proxy holds that request, tests/helpers/held_request.py), the first
+   answer in the turn log; the re-run resumes at the turn it stopped at, and each answer
    is the engine's own greedy answer to a history holding the target's earlier answers.
 2. A ShareGPT file, an OpenAI messages file with tools and a `datasets` folder through `eagle3 run` (the demo
    flow, every phase) at once, sampled on the session's shared SmolLM2 engine (no engine start of its own).
@@ -15,7 +16,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -29,6 +29,7 @@ from eagle3_core.sampling.conversations import LOG_FILE
 from eagle3_core.sampling.phase import sample_prompts
 from eagle3_core.sampling.table import iter_rows
 from eagle3_core.serving.engine import VllmServer
+from tests.helpers.held_request import holding_chat
 from tests.helpers.prompt_data import SHAREGPT_ROW, TOOL_ROW, WEATHER_TOOL, save_to_disk, write_jsonl
 from tests.helpers.served_targets import FLOAT32, pinned_dtypes
 from tests.helpers.tool_template import tool_target
@@ -85,24 +86,24 @@ def turns_config(run_dir: Path, target_root: str, base_url: str, prompts: Path) 
 def test_three_user_turns_answered_in_order_and_resumed_at_the_turn_after_a_kill(tool_engine, tmp_path):
     target, engine = tool_engine
     prompts = write_jsonl(tmp_path / "chat.jsonl", [CHAT])
-    data = turns_config(tmp_path / "run", str(target.root), engine.base_url, prompts)
-    config_file = tmp_path / "chat.yaml"
-    config_file.write_text(yaml.safe_dump(data))
-    log = tmp_path / "run" / "samples" / LOG_FILE
-    process = subprocess.Popen([*EAGLE3, "sample", "-c", str(config_file)], cwd=REPO, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.monotonic() + 300
-    while not (log.exists() and log.read_text().count("\n") >= 1) and process.poll() is None:
-        assert time.monotonic() < deadline, "no turn answered in 300 s"
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    assert process.wait() == -signal.SIGKILL, "killed mid-conversation, not after it"
-    logged = [json.loads(line) for line in log.read_text().splitlines()]
-    assert 1 <= len(logged) < 3
+    with holding_chat(engine.base_url, held=2) as gate:
+        data = turns_config(tmp_path / "run", str(target.root), gate.base_url, prompts)
+        config_file = tmp_path / "chat.yaml"
+        config_file.write_text(yaml.safe_dump(data))
+        log = tmp_path / "run" / "samples" / LOG_FILE
+        process = subprocess.Popen([*EAGLE3, "sample", "-c", str(config_file)], cwd=REPO,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        while not gate.asked.wait(1):
+            assert process.poll() is None, "eagle3 sample ended before it asked for the second turn"
+        process.send_signal(signal.SIGKILL)
+        assert process.wait() == -signal.SIGKILL
+        logged = [json.loads(line) for line in log.read_text().splitlines()]
+        assert len(logged) == 1, "killed while the second turn was asked: the first answer is in the turn log"
+        gate.release.set()
 
-    config = PipelineConfig.model_validate(data)
-    events = RunEvents(config.run_dir)
-    sample_set = sample_prompts(config, target, events)
+        config = PipelineConfig.model_validate(data)
+        events = RunEvents(config.run_dir)
+        sample_set = sample_prompts(config, target, events)
     assert (sample_set.ok, sample_set.error, sample_set.skipped) == (1, 0, 0)
     resumed = [e["message"] for e in events.read() if e["event"] == DECISION and "turns resumed" in e["message"]]
     assert resumed[-1].endswith(f"{len(logged)} turns resumed from {LOG_FILE}")

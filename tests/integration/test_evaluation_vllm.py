@@ -20,10 +20,10 @@ import yaml
 from eagle3_core.artifacts import DraftCheckpoint, TargetModel
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import ENGINE_START, ENGINE_STOP, RunEvents
-from tests.helpers.demo_run import REPO, DemoRun
+from tests.helpers.demo_run import READS_DEMO, REPO, DemoRun
 from tests.helpers.served_targets import FLOAT32, pinned_dtypes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, READS_DEMO]
 
 # (a) runs at k=5 in fp32 and derives tau at k=3; (b) runs at k=3, here in fp32 too (server.dtype), so vLLM's
 # speculative output must equal its plain greedy output. Both count the same events, so they differ by the

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.demo_run import DEMO_COMMAND, DemoRun, run_make
+from tests.helpers.demo_run import DEMO_COMMAND, READS_DEMO, DemoRun, run_make
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, READS_DEMO]
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "quickstart.md"
