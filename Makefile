@@ -6,14 +6,11 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 DEMO_CONFIG ?= configs/demo.yaml
 
 # The suite runs on TEST_WORKERS pytest-xdist workers, a whole test module to each (--dist loadfile: its
-# module-scoped fixtures are built once). Three on two cores: an engine start is three Python processes
-# importing vLLM one after the other, and a flow waits on its engine and its Prefect server, so with two
-# workers a core often idled; a third fills it (2-core AVX2 EPYC, `.ci/run`: 2,636 s with two workers, 2,249 s
-# with three and a smaller evaluation test, no idle core mid-run; bench/RESULTS.md "three workers on two
-# cores"). The modules go out longest first (tests/conftest.py orders them by tests/module_seconds.json), and
-# every run prints the 25 slowest tests and what the suite paid for (bench/suite_census.py: engine starts,
-# Prefect servers, trainings, seconds per module).
-TEST_WORKERS ?= 3
+# module-scoped fixtures are built once): an engine start is three Python processes importing vLLM one after
+# the other, so one core idles while they do; a second worker fills it. The modules go out longest first
+# (tests/conftest.py orders them by tests/module_seconds.json), and every run prints the 25 slowest tests and
+# what the suite paid for (bench/suite_census.py: engine starts, Prefect servers, trainings, seconds per module).
+TEST_WORKERS ?= 2
 
 .PHONY: install install-gpu demo test test-unit lint docs format
 

