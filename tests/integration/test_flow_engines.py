@@ -123,20 +123,24 @@ class TwoFlows:
 @pytest.fixture(scope="module")
 def two_flows(prefect_env: dict, tmp_path_factory: pytest.TempPathFactory) -> TwoFlows:
     """One pair of flows for both tests below (their engine starts are the module's longest wait). The refusals
-    go to the first run's folder once its engine is loaded: 16 prompts of 64 tokens keep it sampling through both
-    commands, whichever of the two flows took `gpu` first."""
+    go to the first run's folder once its engine is loaded, both commands at once (one after the other, the second
+    came after the first run's sampling on a loaded host); 24 prompts of 64 tokens keep it sampling through them,
+    whichever of the two flows took `gpu` first."""
     root = tmp_path_factory.mktemp("two-flows")
     env = {**prefect_env, ENV: "extraction:start"}
-    configs = [write_config(root, "first", max_prompts=16, max_tokens=64)[0],
+    configs = [write_config(root, "first", max_prompts=24, max_tokens=64)[0],
                write_config(root, "second", max_prompts=8, max_tokens=32)[0]]  # fmt: skip
     runs = [subprocess.Popen([*EAGLE3, "run", "-c", str(config)], cwd=REPO, env=env) for config in configs]
     refusals = {}
     try:
         events = RunEvents(root / "first")
         wait_for(lambda: events.count(WEIGHT_LOAD, "sampling") == 1, 900, "the first run's sampling engine")
-        for command in ("run", "sample"):
-            refusals[command] = subprocess.run([*EAGLE3, command, "-c", str(configs[0])], cwd=REPO, env=env,
-                                               capture_output=True, text=True, timeout=300)  # fmt: skip
+        asked = {command: subprocess.Popen([*EAGLE3, command, "-c", str(configs[0])], cwd=REPO, env=env,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for command in ("run", "sample")}  # fmt: skip
+        for command, process in asked.items():
+            stdout, stderr = process.communicate(timeout=300)
+            refusals[command] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
         codes = [run.wait(timeout=900) for run in runs]
     finally:
         for run in runs:
