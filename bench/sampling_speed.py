@@ -27,7 +27,7 @@ import httpx
 from eagle3_core.config import PipelineConfig
 from eagle3_core.events import RunEvents
 from eagle3_core.sampling.chat_tokens import ChatTokenizer
-from eagle3_core.sampling.phase import Sampler, parse_completion, request_body, served_model
+from eagle3_core.sampling.phase import Sampler, Work, parse_completion, request_body, served_model
 from eagle3_core.sampling.prompts import DEMO, load_prompts
 from eagle3_core.serving.engine import VllmServer
 from eagle3_core.target.prepare import prepare_target
@@ -58,7 +58,7 @@ async def concurrent_run(server: VllmServer, config: PipelineConfig, tokens: Cha
         server.base_url, server.api_key, config.sampling, tokens, config.server.max_model_len, server.exit_report
     )
     start = time.perf_counter()
-    await sampler.run(list(enumerate(prompts)), rows.append)
+    await sampler.run([Work(index, prompt, 0) for index, prompt in enumerate(prompts)], rows.append)
     seconds = time.perf_counter() - start
     assert all(r["status"] == "ok" for r in rows), [r["error"] for r in rows if r["status"] != "ok"]
     return sum(r["completion_tokens"] for r in rows), seconds

@@ -132,8 +132,8 @@ def test_draft_exported_with_wrong_layer_ids_trips_the_guard(
 
     floor = baseline.per_position[0] / 2  # the right ids pass it comfortably
     # 3 prompts a set of 48 tokens (~255 position-0 drafts): at the measured 0.056 ~14 are accepted, where the
-    # floor needs ~27
-    config = pipeline_config(tmp_path, with_vllm=False, acceptance_floor=floor, max_prompts=3)
+    # floor needs ~27. The guard reads position 0 only, so the chain stops at the served k=3 (no k=5 sweep).
+    config = pipeline_config(tmp_path, with_vllm=False, acceptance_floor=floor, max_prompts=3, sweep_max_k=3)
     with pytest.raises(AcceptanceBelowFloor) as failure:
         evaluate_draft(config, wrong, smollm2_target, sample_set, RunEvents(tmp_path))
     message = str(failure.value)

@@ -90,7 +90,9 @@ def trained_export(tmp_path_factory, smollm2_target):
     config.extraction.backend = "hf"
     config.vocab.draft_vocab_size = 1024
     training = config.training
-    training.max_steps, training.ttt_steps, training.max_length, training.lr = 40, 3, 512, 3e-3
+    # 16 steps memorise the six answers: vLLM's acceptance length 3.45 at k=3 (40 steps: 3.93), against the 1.5
+    # asserted below (bench/RESULTS.md "Issue 51, seventh round")
+    training.max_steps, training.ttt_steps, training.max_length, training.lr = 16, 3, 512, 3e-3
     training.holdout_fraction, training.device, training.checkpoint_every = 0.0, "cpu", 1000
     training.draft_intermediate_size = WIDER_MLP
     events = RunEvents(run_dir)

@@ -39,10 +39,10 @@ REPO = Path(__file__).resolve().parents[2]
 EAGLE3 = str(Path(sys.executable).parent / "eagle3")
 WAITING = "waiting for the gpu slot"
 CONFIG = {
-    "sampling": {"max_prompts": 16, "max_tokens": 32, "holdout_fraction": 0.25, "concurrency": 2, "rows_per_part": 2},
+    "sampling": {"max_prompts": 16, "max_tokens": 32, "holdout_fraction": 0.25, "concurrency": 4, "rows_per_part": 2},
     "extraction": {"samples_per_shard": 1, "concurrency": 1, "reuse_sampling_server": "on"},
     "vocab": {"draft_vocab_size": 2048},
-    "training": {"epochs": 1, "max_steps": 16, "max_length": 512, "checkpoint_every": 2},
+    "training": {"epochs": 1, "max_steps": 10, "max_length": 512, "checkpoint_every": 2},
     "orchestration": {"retries": 0},
 }  # fmt: skip
 
