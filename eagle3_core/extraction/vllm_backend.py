@@ -40,7 +40,7 @@ from eagle3_core.phases import EXTRACTION
 from eagle3_core.progress import ProgressCallback
 from eagle3_core.run_layout import RunLayout
 from eagle3_core.serving.engine import ENGINE_EXIT_WAIT_S, EngineDied, EngineExit
-from eagle3_core.serving.shared import CONTEXT_MARGIN, SharedServer, running_server
+from eagle3_core.serving.shared import CONTEXT_MARGIN, SharedServer, conversation_tokens, running_server
 
 PHASE = EXTRACTION.name
 Submitted = TypeVar("Submitted")
@@ -284,8 +284,8 @@ def shared_server(
     hold: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> SharedServer:
     """The server sampling and extraction share: an extraction server whose connector writes states only
-    for requests that ask, with `server.max_model_len + CONTEXT_MARGIN` tokens of context so that every
-    sampled conversation fits with its one generated token. Started on first use."""
+    for requests that ask, with CONTEXT_MARGIN tokens of context beyond what a sampled conversation may hold
+    (`conversation_tokens`), so that every one fits with its one generated token. Started on first use."""
     from eagle3_core.serving.engine import VllmServer
 
     incoming = RunLayout.of(config).incoming_states
@@ -298,4 +298,5 @@ def shared_server(
         server_config = config.server.model_copy(update={"max_model_len": context})
         return VllmServer(server_config, target.root_path, config.run_dir, events, progress, args, phase, part).start()
 
-    return SharedServer(launch, config.server.max_model_len + CONTEXT_MARGIN, events, hold)
+    context = conversation_tokens(config.server.max_model_len, target.context_tokens) + CONTEXT_MARGIN
+    return SharedServer(launch, context, events, hold)

@@ -49,7 +49,7 @@ from eagle3_core.serving.engine import (
     open_server,
     requests_in_flight,
 )
-from eagle3_core.serving.shared import SharedServer, running_server, starts_engine
+from eagle3_core.serving.shared import CONTEXT_MARGIN, SharedServer, conversation_tokens, running_server, starts_engine
 
 PHASE = SAMPLING.name
 RESPONSE_SEED_STRIDE = 2**32  # seeds of response r > 0 lie above those of the first responses of 2**32 prompts
@@ -218,7 +218,7 @@ class Sampler:
         length = len(self.tokens.prompt_ids(history, tools))
         room = self.max_model_len - length
         if room < 1:
-            return f"prompt has {length} tokens; server.max_model_len is {self.max_model_len}", 0
+            return f"prompt has {length} tokens, over the {self.max_model_len} a conversation may hold", 0
         return None, min(self.config.max_tokens, room)
 
     async def ask(
@@ -403,12 +403,18 @@ def sample_with(
         counts(row)
 
     in_flight = requests_in_flight(config.server, config.sampling.concurrency)
+    held = conversation_tokens(config.server.max_model_len, target.context_tokens)
+    if held < config.server.max_model_len:
+        events.record(PHASE, DECISION, f"conversations held to {held} tokens, not server.max_model_len "
+                      f"{config.server.max_model_len}: the target's context is {target.context_tokens} tokens "
+                      f"(max_position_embeddings) and extraction needs {CONTEXT_MARGIN} beyond each",
+                      max_model_len=held)  # fmt: skip
     sampler = Sampler(
         server.base_url,
         server.api_key,
         config.sampling.model_copy(update={"concurrency": in_flight}),
         ChatTokenizer(target.root),
-        config.server.max_model_len,
+        held,
         server.exit_report,
         turn_log,
         bool(config.server.tool_call_parser),

@@ -26,9 +26,18 @@ from typing import Any, Protocol
 from eagle3_core.events import DECISION, RunEvents
 from eagle3_core.progress import ProgressCallback, ignore_progress
 
-# Tokens of context beyond server.max_model_len: the one token extraction generates, plus room for the
-# chat template's end-of-turn tokens that follow a completion cut at the length limit.
+# Tokens of context beyond what a sampled conversation may hold: the one token extraction generates, plus room
+# for the chat template's end-of-turn tokens that follow a completion cut at the length limit.
 CONTEXT_MARGIN = 16
+
+
+def conversation_tokens(max_model_len: int, target_context: int | None) -> int:
+    """Tokens a sampled conversation may hold: `server.max_model_len`, or less where the target's own context
+    (`target_context`, config.json's max_position_embeddings, past which vLLM refuses to start) leaves no
+    CONTEXT_MARGIN above it: the extraction server, shared or not, must hold every conversation plus the margin."""
+    if target_context is None:
+        return max_model_len
+    return min(max_model_len, target_context - CONTEXT_MARGIN)
 
 
 class Server(Protocol):

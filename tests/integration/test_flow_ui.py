@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from eagle3_core.artifacts import TargetModel
 from eagle3_core.config import PipelineConfig
 from tests.helpers.postgres import PrefectServer
 from tests.helpers.processes import start_worker, stop_workers
@@ -69,7 +70,8 @@ const { chromium } = require('playwright-core');
 """
 
 # Tiny budget: the custom run must finish in minutes on 2 shared cores; sampling and extraction on one
-# shared server (one engine start).
+# shared server (one engine start), serving the tiny random Llama (its folder as `target.model`): what is
+# checked is the form, the worker and the run's end, not the target.
 TINY = pinned_dtypes({
     "sampling": {"max_prompts": 6, "max_tokens": 24, "holdout_fraction": 0.34, "concurrency": 4},
     "extraction": {"samples_per_shard": 4, "reuse_sampling_server": "on"},
@@ -93,7 +95,7 @@ def api_post(base: str, path: str, body: dict) -> list[dict]:
     return httpx.post(f"{base}/api{path}", json=body, timeout=30).json()
 
 
-def test_custom_run_from_the_ui_completes(prefect_server: PrefectServer, tmp_path: Path):
+def test_custom_run_from_the_ui_completes(prefect_server: PrefectServer, tiny_llama_vllm: TargetModel, tmp_path: Path):
     base, env = prefect_server.base, prefect_server.env
     subprocess.run([sys.executable, "-m", "cli", "deploy"], cwd=REPO, env=env, check=True)
     deployments = {d["name"]: d for d in api_post(base, "/deployments/filter", {})}
@@ -107,7 +109,8 @@ def test_custom_run_from_the_ui_completes(prefect_server: PrefectServer, tmp_pat
     assert scheduled and all(r["expected_start_time"][11:16] == "02:00" for r in scheduled), "scheduler made no runs"
 
     deployment = deployments["train-drafter"]
-    tiny = PipelineConfig.model_validate({**TINY, "run_dir": str(tmp_path / "run")}).model_dump(mode="json")
+    run = {**TINY, "run_dir": str(tmp_path / "run"), "target": {"model": str(tiny_llama_vllm.root_path)}}
+    tiny = PipelineConfig.model_validate(run).model_dump(mode="json")
     httpx.patch(f"{base}/api/deployments/{deployment['id']}", json={"parameters": {"config": tiny}}).raise_for_status()
 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from eagle3_core.sampling.prompts import PromptFileError
 from eagle3_core.sampling.store import merge_slices
 from eagle3_core.sampling.table import iter_rows, read_part
 from eagle3_core.serving.engine import ExternalServer
+from eagle3_core.serving.shared import CONTEXT_MARGIN
 from tests.helpers.openai_standin import OpenAIStandIn, serving
 
 
@@ -83,7 +84,7 @@ def test_rows_are_accounted_retried_and_reasoning_captured(tmp_path, scripted, s
     assert ScriptedServer.requests["FAIL500x2 flaky"] == 3
     assert ScriptedServer.requests["FAIL400 broken"] == 1
     rows = {r["id"]: r for r in iter_rows(sample_set, status=None)}
-    assert rows["p5"]["status"] == "skipped" and "server.max_model_len is 64" in rows["p5"]["error"]
+    assert rows["p5"]["status"] == "skipped" and "over the 64 a conversation may hold" in rows["p5"]["error"]
     assert (rows["p3"]["reasoning"], rows["p3"]["response"]) == ("pondering", "answer")
     assert (rows["p4"]["reasoning"], rows["p4"]["response"]) == ("parsed thoughts", "answer to PARSED please")
     assert rows["p0"]["finish_reason"] == "stop" and rows["p0"]["completion_tokens"] == 5
@@ -94,6 +95,25 @@ def test_rows_are_accounted_retried_and_reasoning_captured(tmp_path, scripted, s
     last = updates[-1]
     assert (last.done, last.total, last.stage) == (7, 7, "requests") and last.message == "1 errors"
     assert re.fullmatch(r"requests: 7/7 requests · [0-9.]+ tok/s · 1 errors", last.line()), last.line()
+
+
+def test_on_a_target_of_2048_tokens_a_conversation_holds_2048_less_the_extraction_margin(
+    tmp_path, scripted, tiny_llama
+):
+    """The tiny Llama's context is 2048 tokens, server.max_model_len's default too: a conversation of 2048
+    would leave the extraction server (which needs CONTEXT_MARGIN more) no context vLLM starts with."""
+    config = PipelineConfig(
+        run_dir=tmp_path / "run",
+        sampling={"prompt_files": [str(make_config(tmp_path / "p", ["plain one"]).sampling.prompt_files[0])]},
+        server={"engine": "external"},
+    )
+    events = RunEvents(config.run_dir)
+    sample_set = sampling.sample_prompts(config, tiny_llama, events, server=scripted)
+    assert sample_set.ok == 1
+    [held] = [e for e in events.read() if e["message"].startswith("conversations held to")]
+    assert held["max_model_len"] == 2048 - CONTEXT_MARGIN
+    assert held["message"].endswith(f"the target's context is 2048 tokens (max_position_embeddings) and "
+                                    f"extraction needs {CONTEXT_MARGIN} beyond each")  # fmt: skip
 
 
 def test_rerun_retries_errors_only_and_a_clean_set_is_a_cache_hit(tmp_path, scripted, smollm2_target):

@@ -26,7 +26,7 @@ from eagle3_core.sampling.reuse_decision import (
     sampling_slowdown_s,
 )
 from eagle3_core.sampling.store import SampleStore
-from eagle3_core.serving.shared import SharedServer, running_server, starts_engine
+from eagle3_core.serving.shared import CONTEXT_MARGIN, SharedServer, conversation_tokens, running_server, starts_engine
 from tasks.shared_server import sampling_and_extraction_server
 
 # --- auto: the saved engine start against the slower sampling -----------------------------------------
@@ -226,6 +226,21 @@ def test_the_flow_gets_no_shared_server_when_off_and_an_unstarted_one_when_on(tm
         assert shared.context == config.server.max_model_len + 16
     assert not list((config.run_dir / "server").glob("*.pid")), "cached phases never start it"
     assert json.loads((config.run_dir / "events.jsonl").read_text().splitlines()[-1])["event"] == DECISION
+
+
+def test_conversations_leave_the_margin_inside_the_targets_own_context():
+    assert conversation_tokens(2048, 8192) == 2048
+    assert conversation_tokens(2048, None) == 2048, "a config.json without max_position_embeddings"
+    assert conversation_tokens(2048, 2048) == 2048 - CONTEXT_MARGIN
+    assert conversation_tokens(4096, 2048) == 2048 - CONTEXT_MARGIN
+
+
+def test_the_shared_server_of_a_2048_token_target_asks_vllm_for_no_more_than_2048(tmp_path, tiny_llama):
+    """Seen with the tiny Llama (max_position_embeddings 2048, the default server.max_model_len): the shared
+    server asked for 2064 tokens and vLLM refused to start, three attempts over 90 s, in a traceback."""
+    config = small_config(tmp_path, "on")
+    with sampling_and_extraction_server(config, tiny_llama) as shared:
+        assert shared.context == tiny_llama.context_tokens == config.server.max_model_len == 2048
 
 
 def test_the_phase_that_starts_the_shared_server_runs_the_engine_checks(tmp_path, smollm2_target):
