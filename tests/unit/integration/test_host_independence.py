@@ -32,7 +32,7 @@ BUILDERS: dict[str, Callable[[Any, Path], PipelineConfig]] = {
     "test_evaluation_vllm": lambda m, tmp: m.pipeline_config(tmp),
     "test_extraction_vllm": lambda m, tmp: m.make_config(tmp, "vllm"),
     "test_flow_engines": lambda m, tmp: load_config(m.write_config(tmp, "a", 4, 8)[0]),
-    "test_flow_faults": lambda m, tmp: m.small_config(tmp),
+    "test_flow_faults": lambda m, tmp: m.small_config(tmp, str(tmp / "tiny-llama")),
     "test_flow_ui": lambda m, tmp: PipelineConfig.model_validate({**m.TINY, "run_dir": str(tmp)}),
     "test_hosts_flow": lambda m, tmp: m.config_for(tmp, "http://127.0.0.1:1/v1", hosts=2),
     "test_hosts_killed": lambda m, tmp: m.config_for(tmp),
