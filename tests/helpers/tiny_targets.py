@@ -13,8 +13,9 @@ import torch
 VLLM_CPU_HEAD_DIM = 32
 
 
-def tiny_llama_config(vocab_size: int = 49152, num_layers: int = 8, hidden_size: int = 64, head_dim: int = 16):
-    """A Llama config small enough for unit tests, with the embedded target's vocabulary."""
+def tiny_llama_config(vocab_size: int = 49152, num_layers: int = 8, hidden_size: int = 64, head_dim: int | None = None):
+    """A Llama config small enough for unit tests, with the embedded target's vocabulary (4 heads of
+    `head_dim`, hidden_size // 4 unless given)."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -24,7 +25,7 @@ def tiny_llama_config(vocab_size: int = 49152, num_layers: int = 8, hidden_size:
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=head_dim,
+        head_dim=head_dim or hidden_size // 4,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         bos_token_id=1,

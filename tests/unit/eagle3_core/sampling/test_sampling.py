@@ -13,7 +13,7 @@ from typing import ClassVar
 import pytest
 
 from eagle3_core.artifacts import ArtifactInvalid, SampleSet
-from eagle3_core.config import PipelineConfig
+from eagle3_core.config import PipelineConfig, ServerConfig
 from eagle3_core.events import CACHE_HIT, RESUME, RunEvents
 from eagle3_core.hosts import every_slice
 from eagle3_core.sampling import phase as sampling
@@ -102,11 +102,8 @@ def test_on_a_target_of_2048_tokens_a_conversation_holds_2048_less_the_extractio
 ):
     """The tiny Llama's context is 2048 tokens, server.max_model_len's default too: a conversation of 2048
     would leave the extraction server (which needs CONTEXT_MARGIN more) no context vLLM starts with."""
-    config = PipelineConfig(
-        run_dir=tmp_path / "run",
-        sampling={"prompt_files": [str(make_config(tmp_path / "p", ["plain one"]).sampling.prompt_files[0])]},
-        server={"engine": "external"},
-    )
+    config = make_config(tmp_path, ["plain one"])
+    config.server.max_model_len = ServerConfig().max_model_len
     events = RunEvents(config.run_dir)
     sample_set = sampling.sample_prompts(config, tiny_llama, events, server=scripted)
     assert sample_set.ok == 1
